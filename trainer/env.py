@@ -1,0 +1,170 @@
+"""Who this process is: every launcher's environment normalised into one typed value.
+
+This is the only module that reads launcher variables. Dialects:
+
+* torchrun / TorchX (``dist.ddp`` runs torchrun): ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+  ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``.
+* Kubeflow PyTorchJob v1, trainer started directly in the pod: ``RANK`` is the *pod* index
+  and ``WORLD_SIZE`` is replicas x nprocPerNode, so ``RANK`` is a process rank only when each
+  pod runs one process. ``PET_*`` variables are torchrun's own options.
+* Kubeflow Trainer v2 (TrainJob): only ``PET_*``; the command must be ``torchrun``.
+* Plain (Docker Compose, hand-written): ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``.
+* Nothing set: one process.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+from trainer.errors import LaunchEnvError
+
+TORCHRUN_HINT = "start the trainer through torchrun (torchrun --nnodes ... --nproc-per-node ... trainer/main.py)"
+
+
+@dataclass(frozen=True)
+class DistIdentity:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    master_addr: str
+    master_port: int
+    launcher: str
+    hostname: str
+
+    @property
+    def is_main(self) -> bool:
+        """The one process that writes checkpoints, metrics and the progress bar."""
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        """The one process per node that downloads or fetches data."""
+        return self.local_rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def describe(self) -> str:
+        return (
+            f"rank {self.rank}/{self.world_size} (local {self.local_rank}/{self.local_world_size}, "
+            f"node {self.node_rank}/{self.num_nodes}) on {self.hostname} via {self.launcher}, "
+            f"master {self.master_addr}:{self.master_port}"
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def _int(env: Mapping[str, str], name: str, fix: str, minimum: int = 0) -> int:
+    raw = env[name]
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise LaunchEnvError(f"{name}={raw!r} is not an integer; {fix}") from None
+    if value < minimum:
+        raise LaunchEnvError(f"{name}={value} must be >= {minimum}; {fix}")
+    return value
+
+
+def _master(env: Mapping[str, str], world_size: int, fix: str) -> tuple[str, int]:
+    if world_size == 1 and "MASTER_ADDR" not in env:
+        return "127.0.0.1", 0
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if not env.get(name, "").strip():
+            raise LaunchEnvError(f"WORLD_SIZE={world_size} but {name} is not set; {fix}")
+    port = _int(env, "MASTER_PORT", "set MASTER_PORT to the master's TCP port (1-65535)", minimum=1)
+    if port > 65535:
+        raise LaunchEnvError(f"MASTER_PORT={port} is not a TCP port; set it to a value in 1-65535")
+    return env["MASTER_ADDR"].strip(), port
+
+
+def identity_from_env(env: Mapping[str, str], hostname: str | None = None) -> DistIdentity:
+    """Read the launcher's variables into a DistIdentity; one clear error for each inconsistency."""
+    host = hostname or socket.gethostname()
+    has = {name for name, value in env.items() if value.strip()}
+    pet = sorted(name for name in has if name.startswith("PET_"))
+    under_torchrun = "TORCHELASTIC_RUN_ID" in has or {"LOCAL_RANK", "LOCAL_WORLD_SIZE"} <= has
+
+    if not has & {"RANK", "WORLD_SIZE", "LOCAL_RANK"}:
+        if pet:
+            raise LaunchEnvError(
+                f"{', '.join(pet)} set but RANK and WORLD_SIZE are not: PET_* variables are torchrun's "
+                f"options (Kubeflow Trainer sets only these); {TORCHRUN_HINT}"
+            )
+        return DistIdentity(0, 0, 1, 1, 0, 1, "127.0.0.1", 0, "single-process", host)
+
+    if "WORLD_SIZE" not in has:
+        present = "LOCAL_RANK" if "LOCAL_RANK" in has else "RANK"
+        raise LaunchEnvError(
+            f"{present} is set but WORLD_SIZE is not; set WORLD_SIZE to the total number of processes, "
+            f"or {TORCHRUN_HINT}"
+        )
+    world_size = _int(env, "WORLD_SIZE", "set WORLD_SIZE to the total number of processes", minimum=1)
+    if "RANK" not in has:
+        raise LaunchEnvError(f"WORLD_SIZE={world_size} is set but RANK is not; set RANK (0..{world_size - 1})")
+    rank = _int(env, "RANK", f"set RANK to this process's rank in 0..{world_size - 1}")
+    if rank >= world_size:
+        raise LaunchEnvError(
+            f"RANK={rank} is not below WORLD_SIZE={world_size}; ranks run from 0 to {world_size - 1}"
+        )
+
+    if under_torchrun:
+        launcher = "torchrun"
+        local_rank = _int(env, "LOCAL_RANK", "LOCAL_RANK comes from torchrun; do not set it by hand")
+        local_world_size = _int(env, "LOCAL_WORLD_SIZE", "set by torchrun", minimum=1) \
+            if "LOCAL_WORLD_SIZE" in has else 1
+        node_rank = _int(env, "GROUP_RANK", "set by torchrun") if "GROUP_RANK" in has else 0
+        num_nodes = _int(env, "GROUP_WORLD_SIZE", "set by torchrun", minimum=1) \
+            if "GROUP_WORLD_SIZE" in has else max(1, world_size // local_world_size)
+    elif pet:
+        launcher = "pytorchjob"
+        _refuse_node_rank_as_process_rank(env, world_size)
+        local_rank, local_world_size, node_rank, num_nodes = 0, 1, rank, world_size
+    else:
+        launcher = "env"
+        local_rank = _int(env, "LOCAL_RANK", "set LOCAL_RANK to the process's index on its node") \
+            if "LOCAL_RANK" in has else 0
+        local_world_size = _int(env, "LOCAL_WORLD_SIZE", "set LOCAL_WORLD_SIZE to processes per node",
+                                minimum=1) if "LOCAL_WORLD_SIZE" in has else 1
+        node_rank = _int(env, "NODE_RANK", "set NODE_RANK to the node's index") \
+            if "NODE_RANK" in has else rank // local_world_size
+        num_nodes = max(1, world_size // local_world_size)
+
+    if local_rank >= local_world_size:
+        raise LaunchEnvError(
+            f"LOCAL_RANK={local_rank} is not below LOCAL_WORLD_SIZE={local_world_size}; "
+            f"local ranks run from 0 to {local_world_size - 1}"
+        )
+    if local_world_size > world_size:
+        raise LaunchEnvError(f"LOCAL_WORLD_SIZE={local_world_size} exceeds WORLD_SIZE={world_size}")
+    master_addr, master_port = _master(env, world_size, "set MASTER_ADDR and MASTER_PORT to rank 0's host and port")
+    return DistIdentity(rank, local_rank, world_size, local_world_size, node_rank, num_nodes,
+                        master_addr, master_port, launcher, host)
+
+
+def _refuse_node_rank_as_process_rank(env: Mapping[str, str], world_size: int) -> None:
+    """PyTorchJob v1 sets RANK to the pod index; that is a process rank only with one process per pod."""
+    nproc_raw = env.get("PET_NPROC_PER_NODE", "").strip()
+    nnodes_raw = env.get("PET_NNODES", "").strip()
+    if nproc_raw and nproc_raw != "auto":
+        nproc = _int(env, "PET_NPROC_PER_NODE", "set nprocPerNode to an integer")
+        if nproc > 1:
+            raise LaunchEnvError(
+                f"PET_NPROC_PER_NODE={nproc}: each pod should run {nproc} processes, but this process "
+                f"was started directly, so RANK={env['RANK']} is the pod's index, not a process rank; "
+                f"{TORCHRUN_HINT}, or set nprocPerNode: 1"
+            )
+    if nnodes_raw and ":" not in nnodes_raw:
+        nnodes = _int(env, "PET_NNODES", "set by the training operator", minimum=1)
+        if nnodes != world_size:
+            raise LaunchEnvError(
+                f"WORLD_SIZE={world_size} but PET_NNODES={nnodes}: each pod is meant to run "
+                f"{world_size // max(nnodes, 1)} processes, so RANK is the pod's index, not a process rank; "
+                f"{TORCHRUN_HINT}"
+            )
