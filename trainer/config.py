@@ -107,7 +107,8 @@ class TrainConfig:
     epochs: int = option(3, "number of epochs")
     batch_size: int = option(128, "samples per rank per micro-batch")
     eval_batch_size: int = option(512, "samples per rank per evaluation batch")
-    max_steps: int = option(0, "stop after this many optimizer steps in total (0: run all epochs)")
+    max_steps: int = option(0, "stop (with a checkpoint) once this many optimizer steps are done in total; "
+                                "the LR schedule still spans --epochs (0: no limit)")
     seed: int = option(0, "random seed (same seed and world size: bitwise the same run on CPU)")
     sync: str = option("ddp", "gradient synchronisation method", SYNC_METHODS)
 

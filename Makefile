@@ -1,0 +1,50 @@
+# ddp-deploy: every command a user or CI runs. `make train` and `make test` do their own set-up.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+NPROC ?= 2
+EPOCHS ?= 3
+TRAIN_ARGS ?=
+
+.PHONY: help venv data train test test-fast lint doctor clean
+
+help: ## list the targets
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
+
+$(BIN)/ddp-train: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	@touch $@
+
+venv: $(BIN)/ddp-train ## create .venv with the trainer and the test tools
+
+data: ## install the full Fashion-MNIST from Debian when possible (else the shipped subset is used)
+	@if [ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then \
+	  echo "full Fashion-MNIST present in /usr/share/datasets/fashion-mnist"; \
+	elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	  (apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1 || \
+	   (apt-get update -qq >/dev/null && apt-get install -y -qq dataset-fashion-mnist >/dev/null)) && \
+	  echo "installed Debian's dataset-fashion-mnist"; \
+	else \
+	  echo "no Debian package manager: training on the Fashion-MNIST subset shipped in trainer/data"; \
+	fi
+
+train: venv data ## the main job: $(NPROC) CPU ranks on Fashion-MNIST, test accuracy and a checkpoint
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(NPROC) -m trainer \
+	  --epochs $(EPOCHS) --output-dir runs/main $(TRAIN_ARGS)
+
+test: venv ## the test suite (Docker tests run where an engine answers; .ci/run starts one)
+	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+lint: venv ## ruff over the code
+	$(BIN)/ruff check trainer tests bench torchx_components scripts
+
+doctor: venv ## preflight of every collective with $(NPROC) local ranks
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(NPROC) -m trainer.doctor
+
+clean: ## remove runs and caches (not the venv)
+	rm -rf runs .pytest_cache .ruff_cache

@@ -1,0 +1,250 @@
+"""Saving and finding checkpoints: rank 0 writes, everyone agrees on the outcome, the newest valid one wins.
+
+Never loses a good checkpoint: a new one is committed before any old one is pruned, and a broken
+one (no manifest, wrong size or checksum, unreadable) is reported and skipped, never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trainer.checkpoint.state import capture_rng, library_versions
+from trainer.checkpoint.storage import MANIFEST, CheckpointStorage, checkpoint_name, open_storage, step_of
+from trainer.config import CheckpointConfig
+from trainer.distributed import Runtime, broadcast_from_main, gather_to_main
+from trainer.errors import CheckpointError
+
+STATE_FILE = "state.pt"
+FORMAT_VERSION = 1
+
+
+class InvalidCheckpoint(Exception):
+    """Why one checkpoint folder cannot be used."""
+
+
+@dataclass
+class LoadedCheckpoint:
+    location: str
+    manifest: dict[str, Any]
+    state: dict[str, Any]
+
+
+@dataclass
+class SaveTiming:
+    blocked_s: float = 0.0  # training stopped for this long (snapshot, or the whole write when synchronous)
+    write_s: float = 0.0  # serialise + checksum + write + fsync + commit
+    bytes: int = 0
+
+
+def verify(storage: CheckpointStorage, name: str) -> LoadedCheckpoint:
+    """Read one checkpoint and check it against its manifest; InvalidCheckpoint says what is wrong."""
+    if not storage.exists(name, MANIFEST):
+        raise InvalidCheckpoint("no manifest (the save did not finish)")
+    try:
+        manifest = json.loads(storage.read(name, MANIFEST))
+        expected = manifest["files"][STATE_FILE]
+        if manifest.get("format") != FORMAT_VERSION:
+            raise InvalidCheckpoint(f"format {manifest.get('format')!r}, this trainer reads {FORMAT_VERSION}")
+    except (ValueError, KeyError, TypeError) as error:
+        raise InvalidCheckpoint(f"unreadable manifest ({error})") from None
+    try:
+        data = storage.read(name, STATE_FILE)
+    except OSError as error:
+        raise InvalidCheckpoint(f"{STATE_FILE} unreadable ({error})") from None
+    if len(data) != expected["bytes"]:
+        raise InvalidCheckpoint(f"{STATE_FILE} has {len(data)} bytes, the manifest says {expected['bytes']}")
+    if hashlib.sha256(data).hexdigest() != expected["sha256"]:
+        raise InvalidCheckpoint(f"{STATE_FILE} does not match the manifest's sha256 checksum")
+    try:
+        # weights_only: a checkpoint on shared storage must not be able to run code when loaded.
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - any unpickling failure means the same: unusable
+        raise InvalidCheckpoint(f"{STATE_FILE} does not load with weights_only=True ({error})") from None
+    return LoadedCheckpoint(storage.describe(name), manifest, state)
+
+
+class CheckpointManager:
+    def __init__(self, config: CheckpointConfig, location: str, runtime: Runtime, log: logging.Logger) -> None:
+        self.config = config
+        self.runtime = runtime
+        self.log = log
+        self.storage = open_storage(location)
+        self.last_timing = SaveTiming()
+        self._writer: threading.Thread | None = None
+        self._writer_error: str | None = None
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    # -- start ---------------------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Check the location on rank 0 and clear crashed saves' leftovers; every rank learns the outcome."""
+        error = None
+        if self.runtime.is_main:
+            try:
+                self.storage.check_writable()
+                for stale in self.storage.remove_temporaries():
+                    self.log.warning("removed %s, left by a save that did not finish", self.storage.describe(stale))
+            except CheckpointError as problem:
+                error = str(problem)
+        self._raise_everywhere(error)
+
+    def load(self, resume: str) -> LoadedCheckpoint | None:
+        """Rank 0 finds and verifies the checkpoint to resume from and sends it to every rank."""
+        outcome: LoadedCheckpoint | str | None = None
+        if self.runtime.is_main:
+            try:
+                outcome = self._find(resume)
+            except CheckpointError as problem:
+                outcome = str(problem)
+        outcome = broadcast_from_main(outcome, self.runtime)
+        if isinstance(outcome, str):
+            raise CheckpointError(outcome)
+        return outcome
+
+    def _find(self, resume: str) -> LoadedCheckpoint | None:
+        if resume == "none":
+            return None
+        if resume != "latest":
+            return self._load_path(resume)
+        for name in self.storage.list_checkpoints():
+            try:
+                return verify(self.storage, name)
+            except InvalidCheckpoint as problem:
+                self.log.warning("skipping checkpoint %s: %s", self.storage.describe(name), problem)
+        return None
+
+    def _load_path(self, path: str) -> LoadedCheckpoint:
+        folder = path.rstrip("/")
+        if folder.endswith(f"/{STATE_FILE}") or folder.endswith(f"/{MANIFEST}"):
+            folder = folder.rsplit("/", 1)[0]
+        parent, _, name = folder.rpartition("/")
+        storage = open_storage(parent or ".")
+        try:
+            return verify(storage, name)
+        except InvalidCheckpoint as problem:
+            raise CheckpointError(
+                f"--resume {path}: {problem}; pass another checkpoint folder, --resume latest to take the newest "
+                f"valid one, or --resume none to start afresh"
+            ) from None
+        except OSError as error:
+            raise CheckpointError(f"--resume {path}: cannot read it ({error})") from None
+
+    # -- save ----------------------------------------------------------------------------------------------
+    def save(self, state: dict[str, Any], manifest_extra: dict[str, Any]) -> None:
+        """Called by every rank at the same step; rank 0 writes, the others learn whether it worked.
+
+        Each rank contributes its own RNG state (they differ per rank). Synchronous saves return after
+        the commit; asynchronous ones after the snapshot, and the next save or ``finish`` collects the
+        outcome.
+        """
+        started = time.perf_counter()
+        self._raise_everywhere(self._wait_for_writer())
+        rng_by_rank = gather_to_main(capture_rng(), self.runtime)
+        error = None
+        if self.runtime.is_main:
+            full_state = {**state, "rng": rng_by_rank, "versions": library_versions()}
+            name = checkpoint_name(manifest_extra["step"])
+            if self.config.async_checkpoint:
+                snapshot = self._snapshot(full_state)
+                self._writer = threading.Thread(target=self._write_in_background, args=(name, snapshot,
+                                                manifest_extra), name="checkpoint-writer", daemon=False)
+                self._writer.start()
+            else:
+                try:
+                    self._write(name, full_state, manifest_extra)
+                except CheckpointError as problem:
+                    error = str(problem)
+        if not self.config.async_checkpoint:
+            self._raise_everywhere(error)
+        self.last_timing.blocked_s = time.perf_counter() - started
+
+    def finish(self) -> None:
+        """Wait for a background write and make its failure every rank's error."""
+        self._raise_everywhere(self._wait_for_writer())
+
+    def _snapshot(self, state: Any, path: str = "") -> Any:
+        """Copy tensors into CPU buffers kept between saves (copy_ into a preallocated tensor is several
+        times faster than clone()), so training can go on changing the originals."""
+        if isinstance(state, torch.Tensor):
+            buffer = self._buffers.get(path)
+            if buffer is None or buffer.shape != state.shape or buffer.dtype != state.dtype:
+                buffer = torch.empty(state.shape, dtype=state.dtype, device="cpu")
+                self._buffers[path] = buffer
+            buffer.copy_(state.detach())
+            return buffer
+        if isinstance(state, dict):
+            return type(state)((key, self._snapshot(value, f"{path}/{key}")) for key, value in state.items())
+        if isinstance(state, list | tuple):
+            return type(state)(self._snapshot(value, f"{path}/{index}") for index, value in enumerate(state))
+        return state
+
+    def _write_in_background(self, name: str, state: dict[str, Any], manifest_extra: dict[str, Any]) -> None:
+        try:
+            self._write(name, state, manifest_extra)
+        except CheckpointError as problem:
+            self._writer_error = str(problem)
+        except Exception as problem:  # noqa: BLE001 - reported to every rank by the next save or finish
+            self._writer_error = f"background checkpoint write failed: {problem!r}"
+
+    def _wait_for_writer(self) -> str | None:
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        error, self._writer_error = self._writer_error, None
+        return error
+
+    def _write(self, name: str, state: dict[str, Any], manifest_extra: dict[str, Any]) -> None:
+        started = time.perf_counter()
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        data = buffer.getvalue()
+        manifest = {
+            "format": FORMAT_VERSION,
+            **manifest_extra,
+            "created_unix": time.time(),
+            "files": {STATE_FILE: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}},
+        }
+        self.storage.write(name, {STATE_FILE: data}, json.dumps(manifest, indent=2).encode())
+        self.last_timing.write_s = time.perf_counter() - started
+        self.last_timing.bytes = len(data)
+        self.log.info("checkpoint %s written (%.1f MB in %.2fs)", self.storage.describe(name), len(data) / 1e6,
+                      self.last_timing.write_s)
+        self._prune(keep=name)
+
+    def _prune(self, keep: str) -> None:
+        """Keep the newest ``keep_last`` committed checkpoints and, optionally, the most accurate one."""
+        committed: list[tuple[str, dict[str, Any]]] = []
+        for name in self.storage.list_checkpoints():
+            try:
+                committed.append((name, json.loads(self.storage.read(name, MANIFEST))))
+            except (OSError, ValueError):
+                continue  # not committed: never counted, removed below once older than what is kept
+        kept = {name for name, _ in committed[: self.config.keep_last]} | {keep}
+        if self.config.keep_best:
+            scored = [(m.get("test_accuracy"), name) for name, m in committed if m.get("test_accuracy") is not None]
+            if scored:
+                kept.add(max(scored)[1])
+        newest_kept = max(step_of(name) or 0 for name in kept)
+        for name in self.storage.list_checkpoints():
+            if name in kept or (step_of(name) or 0) > newest_kept:
+                continue
+            try:
+                self.storage.remove(name)
+            except OSError as error:
+                self.log.warning("could not remove old checkpoint %s: %s", self.storage.describe(name), error)
+
+    def _raise_everywhere(self, error: str | None) -> None:
+        """Rank 0's checkpoint error, raised on every rank, so no rank waits for one that has quit."""
+        error = broadcast_from_main(error, self.runtime)
+        if error:
+            if self.runtime.is_main:
+                raise CheckpointError(error)
+            raise CheckpointError(f"rank 0 could not write the checkpoint: {error}")

@@ -1,0 +1,179 @@
+"""How this process joins the group: wait for the master, pick device and backend, init, tear down."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from trainer.config import DistConfig
+from trainer.env import DistIdentity
+from trainer.errors import DeviceError, RendezvousError
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """The joined group as the rest of the trainer sees it."""
+
+    identity: DistIdentity
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.identity.is_main
+
+
+def choose_device(config: DistConfig, identity: DistIdentity, cuda_count: int | None = None) -> torch.device:
+    """cuda:LOCAL_RANK when CUDA is present (never the global rank: it exceeds a node's GPUs), else cpu."""
+    available = torch.cuda.device_count() if cuda_count is None else cuda_count
+    wants_cuda = config.device == "cuda" or (config.device == "auto" and available > 0)
+    if not wants_cuda:
+        return torch.device("cpu")
+    if available == 0:
+        raise DeviceError("--device cuda but this machine has no CUDA device; use --device cpu or auto")
+    if identity.local_rank >= available:
+        raise DeviceError(
+            f"local rank {identity.local_rank} needs GPU {identity.local_rank} but this node has {available} "
+            f"GPU(s); start at most {available} processes per node (--nproc-per-node {available})"
+        )
+    return torch.device("cuda", identity.local_rank)
+
+
+def choose_backend(config: DistConfig, device: torch.device) -> str:
+    backend = config.backend
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise DeviceError("--backend nccl needs CUDA devices; use --backend gloo (or auto) on CPU")
+    return backend
+
+
+def threads_per_rank(config: DistConfig, identity: DistIdentity, environ: dict[str, str]) -> int:
+    """Split the cores between the ranks of a node unless the user said otherwise."""
+    if config.threads_per_rank:
+        return config.threads_per_rank
+    omp = environ.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // identity.local_world_size)
+
+
+def wait_for_master(addr: str, port: int, timeout_s: float, initial_delay_s: float = 0.2,
+                    max_delay_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> int:
+    """Connect to the master until it accepts, with exponential backoff; returns the attempts made.
+
+    A pod's DNS name appears seconds after the pod starts and its port opens later still, so a
+    failed lookup or a refused connection is retried, not fatal, until the deadline.
+    """
+    deadline = clock() + timeout_s
+    delay = initial_delay_s
+    attempts = 0
+    last_error = "no attempt made"
+    while True:
+        attempts += 1
+        try:
+            with socket.create_connection((addr, port), timeout=min(5.0, max(0.5, delay))):
+                return attempts
+        except socket.gaierror as error:
+            last_error = f"host name {addr!r} does not resolve ({error.strerror})"
+        except OSError as error:
+            last_error = f"connection to {addr}:{port} failed ({error.strerror or error})"
+        remaining = deadline - clock()
+        if remaining <= 0:
+            raise RendezvousError(
+                f"master {addr}:{port} not reachable after {timeout_s:g}s and {attempts} attempts; last: "
+                f"{last_error}. Check MASTER_ADDR/MASTER_PORT, that rank 0 is running, and that the port is "
+                f"open between nodes; raise --rendezvous-timeout-s if the master starts slowly"
+            )
+        time.sleep(min(delay, remaining))
+        delay = min(delay * 2, max_delay_s)
+
+
+def init_process_group(config: DistConfig, identity: DistIdentity, device: torch.device) -> Runtime:
+    backend = choose_backend(config, device)
+    timeout = timedelta(seconds=config.collective_timeout_s)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if identity.world_size == 1:
+        # One process needs no network: an in-memory store keeps every collective code path the same.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        if not identity.is_main:
+            # Rank 0 hosts the store on MASTER_PORT; the others wait for it to listen.
+            wait_for_master(identity.master_addr, identity.master_port, config.rendezvous_timeout_s)
+        # tcp:// lets torch decide who hosts the store: rank 0 normally, torchrun's agent when it
+        # exports TORCHELASTIC_USE_AGENT_STORE for this very address (binding it again would fail).
+        host = f"[{identity.master_addr}]" if ":" in identity.master_addr else identity.master_addr
+        try:
+            dist.init_process_group(backend, init_method=f"tcp://{host}:{identity.master_port}",
+                                    rank=identity.rank, world_size=identity.world_size, timeout=timeout)
+        except (RuntimeError, OSError, ValueError) as error:
+            raise RendezvousError(
+                f"rank {identity.rank} could not join the group at {identity.master_addr}:"
+                f"{identity.master_port} within {config.collective_timeout_s:g}s: {_first_line(error)}. "
+                f"Check that all {identity.world_size} ranks started with the same MASTER_ADDR, MASTER_PORT "
+                f"and WORLD_SIZE"
+            ) from None
+    return Runtime(identity, device, backend)
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextmanager
+def process_group(config: DistConfig, identity: DistIdentity, device: torch.device) -> Iterator[Runtime]:
+    runtime = init_process_group(config, identity, device)
+    try:
+        yield runtime
+    finally:
+        destroy_process_group()
+
+
+def agree(ok: bool, device: torch.device) -> bool:
+    """True only if every rank says ok: turns one rank's failure into every rank's clean error, not a hang."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True if at least one rank raised the flag (for example, received SIGTERM)."""
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def broadcast_from_main(value: T, runtime: Runtime) -> T:
+    """Rank 0's Python value on every rank (pickled in transit, between the job's own processes only)."""
+    if runtime.identity.world_size == 1:
+        return value
+    holder: list[object] = [value]
+    dist.broadcast_object_list(holder, src=0, device=runtime.device)
+    return holder[0]  # type: ignore[return-value]
+
+
+def gather_to_main(value: T, runtime: Runtime) -> list[T] | None:
+    """Every rank's value, in rank order, on rank 0; None elsewhere."""
+    if runtime.identity.world_size == 1:
+        return [value]
+    gathered: list[object] | None = [None] * runtime.identity.world_size if runtime.is_main else None
+    dist.gather_object(value, gathered, dst=0)
+    return gathered  # type: ignore[return-value]

@@ -1,0 +1,143 @@
+"""How gradients are synchronised: DDP, or the classic tutorials' hand-written methods, to compare.
+
+All methods produce the average of the ranks' gradients; they differ in how many messages they
+send and whether communication overlaps the backward pass (only DDP does: bucketed all-reduces
+start while later layers are still computing gradients).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+from trainer.distributed import Runtime
+from trainer.errors import ConfigError
+
+
+class GradSync:
+    """Base: wrap the model once, then call ``no_sync`` on non-final micro-steps and
+    ``after_backward`` after the final one."""
+
+    name = "none"
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        broadcast_state(model, self.runtime)
+        return model
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager[object]:
+        return nullcontext()
+
+    def after_backward(self, model: nn.Module) -> None:
+        """Average the gradients across ranks (in place)."""
+
+
+class DDPSync(GradSync):
+    name = "ddp"
+
+    def __init__(self, runtime: Runtime, bucket_mb: float = 25.0) -> None:
+        super().__init__(runtime)
+        self.bucket_mb = bucket_mb
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        device_ids = [self.runtime.device] if self.runtime.device.type == "cuda" else None
+        # DDP broadcasts rank 0's parameters and buffers on construction.
+        return DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.bucket_mb,
+                                       gradient_as_bucket_view=True)
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager[object]:
+        assert isinstance(model, DistributedDataParallel)
+        return model.no_sync()
+
+
+class AllReduceSync(GradSync):
+    """The tutorial's method: after backward, one all-reduce per parameter, then divide."""
+
+    name = "allreduce"
+
+    def after_backward(self, model: nn.Module) -> None:
+        world_size = self.runtime.identity.world_size
+        for parameter in model.parameters():
+            if parameter.grad is not None:
+                dist.all_reduce(parameter.grad, op=dist.ReduceOp.SUM)
+                parameter.grad.div_(world_size)
+
+
+class ReduceBroadcastSync(GradSync):
+    """Parameter-server style: reduce every gradient to rank 0, average there, broadcast back."""
+
+    name = "reduce-broadcast"
+
+    def after_backward(self, model: nn.Module) -> None:
+        world_size = self.runtime.identity.world_size
+        for parameter in model.parameters():
+            if parameter.grad is None:
+                continue
+            dist.reduce(parameter.grad, dst=0, op=dist.ReduceOp.SUM)
+            if self.runtime.is_main:
+                parameter.grad.div_(world_size)
+            dist.broadcast(parameter.grad, src=0)
+
+
+class DataParallelSync(GradSync):
+    """Single-process DataParallel over the node's GPUs (the oldest tutorial); plain model on CPU."""
+
+    name = "dp"
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        if self.runtime.identity.world_size != 1:
+            raise ConfigError(
+                f"--sync dp runs one process over all local GPUs, but the world size is "
+                f"{self.runtime.identity.world_size}; start one process (python -m trainer) or use --sync ddp"
+            )
+        if self.runtime.device.type == "cuda" and torch.cuda.device_count() > 1:
+            return DataParallel(model)
+        return model
+
+
+SYNC_METHODS: dict[str, type[GradSync]] = {
+    cls.name: cls for cls in (DDPSync, AllReduceSync, ReduceBroadcastSync, DataParallelSync)
+}
+
+
+def build_grad_sync(name: str, runtime: Runtime) -> GradSync:
+    return SYNC_METHODS[name](runtime)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module inside DDP, DataParallel or torch.compile wrappers: what checkpoints hold."""
+    while True:
+        if isinstance(model, DistributedDataParallel | DataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod  # torch.compile's OptimizedModule
+        else:
+            return model
+
+
+def broadcast_state(model: nn.Module, runtime: Runtime) -> None:
+    """Give every rank rank 0's parameters and buffers (what DDP does on construction)."""
+    if runtime.identity.world_size == 1:
+        return
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+
+
+def broadcast_buffers(model: nn.Module, runtime: Runtime) -> None:
+    """Rank 0's BatchNorm running statistics everywhere, so that every rank evaluates the same model.
+
+    Each rank updates its running statistics with its own batches; DDP only re-broadcasts them at
+    the start of the next training forward.
+    """
+    if runtime.identity.world_size == 1:
+        return
+    with torch.no_grad():
+        for buffer in unwrap(model).buffers():
+            dist.broadcast(buffer.data, src=0)

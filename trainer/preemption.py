@@ -1,0 +1,73 @@
+"""Preemption: SIGTERM (Kubernetes eviction, docker stop, torchrun shutdown) becomes a checkpoint and a
+retryable exit, agreed on by every rank at the same step boundary."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from types import FrameType
+
+import torch
+
+from trainer.distributed import any_rank
+from trainer.errors import EXIT_PREEMPTED
+
+
+class PreemptionWatcher:
+    """Records SIGTERM; ``should_stop`` asks every rank whether any of them got it.
+
+    The grace period starts at the signal: if the checkpoint and exit have not happened by then,
+    the process exits anyway with the same retryable code, before the launcher's SIGKILL; the
+    previous checkpoint is still valid because saves are atomic.
+    """
+
+    def __init__(self, grace_period_s: float, device: torch.device, log: logging.Logger) -> None:
+        self.grace_period_s = grace_period_s
+        self.device = device
+        self.log = log
+        self.signal_received: int | None = None
+        self._previous: dict[int, object] = {}
+        self._deadline_timer: threading.Timer | None = None
+
+    def install(self) -> None:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def uninstall(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)  # type: ignore[arg-type]
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.signal_received is not None:
+            return
+        self.signal_received = signum
+        self._deadline_timer = threading.Timer(self.grace_period_s, self._grace_period_over)
+        self._deadline_timer.daemon = True
+        self._deadline_timer.start()
+
+    def _grace_period_over(self) -> None:
+        self.log.error("grace period of %.0fs over before the checkpoint finished; exiting with %d, the previous "
+                       "checkpoint stays valid", self.grace_period_s, EXIT_PREEMPTED)
+        logging.shutdown()
+        os._exit(EXIT_PREEMPTED)
+
+    def should_stop(self) -> bool:
+        """A collective: call on every rank at the same step."""
+        return any_rank(self.signal_received is not None, self.device)
+
+    def describe(self) -> str:
+        if self.signal_received is None:
+            return "another rank received a stop signal"
+        return f"received {signal.Signals(self.signal_received).name}"
+
+
+def ignore_stop_signals_in_worker(worker_id: int) -> None:
+    """DataLoader worker_init_fn: the launcher signals the whole process group, and a worker that dies
+    first takes the batch the preemption checkpoint is waiting for with it. The main process ends the
+    workers itself once the checkpoint is written (and they exit on their own if it dies)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -1,0 +1,111 @@
+"""What training tells people: rank-tagged log lines, a progress bar or periodic lines on rank 0,
+metrics as JSON lines and TensorBoard events, and the final summary."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from trainer.env import DistIdentity
+
+
+def setup_logging(identity: DistIdentity, stream: TextIO = sys.stderr) -> logging.Logger:
+    """One logger for the process; every line carries the rank, so interleaved logs stay readable."""
+    log = logging.getLogger("trainer")
+    log.handlers.clear()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter(
+        f"%(asctime)s [rank {identity.rank}/{identity.world_size}] %(levelname)s %(message)s", "%H:%M:%S"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    return log
+
+
+class MetricsWriter:
+    """Rank 0's metrics sink: appends to metrics.jsonl (a resumed run continues the same file) and writes
+    TensorBoard scalars. Other ranks get ``enabled=False`` and write nothing."""
+
+    def __init__(self, output_dir: Path, enabled: bool, tensorboard: bool) -> None:
+        self.enabled = enabled
+        self._jsonl: TextIO | None = None
+        self._tensorboard: Any = None
+        if not enabled:
+            return
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(output_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # imported late: it pulls in TensorBoard
+
+            self._tensorboard = SummaryWriter(log_dir=str(output_dir / "tensorboard"))
+
+    def write(self, kind: str, step: int, values: dict[str, float | int]) -> None:
+        if not self.enabled:
+            return
+        assert self._jsonl is not None
+        self._jsonl.write(json.dumps({"kind": kind, "step": step, "time": round(time.time(), 3), **values}) + "\n")
+        self._jsonl.flush()
+        if self._tensorboard is not None:
+            for key, value in values.items():
+                self._tensorboard.add_scalar(f"{kind}/{key}", value, step)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+
+class ProgressDisplay:
+    """A tqdm bar on rank 0 when attached to a terminal (or forced on); plain periodic lines otherwise."""
+
+    def __init__(self, mode: str, enabled: bool, log: logging.Logger, stream: TextIO = sys.stderr) -> None:
+        self.log = log
+        self.enabled = enabled
+        self.use_bar = enabled and (mode == "on" or (mode == "auto" and stream.isatty()))
+        self.stream = stream
+        self._bar: Any = None
+
+    def start_epoch(self, epoch: int, epochs: int, total_steps: int, done_steps: int) -> None:
+        if self.use_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=done_steps, desc=f"epoch {epoch + 1}/{epochs}",
+                             unit="step", file=self.stream, dynamic_ncols=True, leave=True)
+
+    def step(self, loss: float) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+
+    def line(self, text: str) -> None:
+        """A periodic metrics line: logged when there is no bar, shown above the bar otherwise."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text, file=self.stream)
+        else:
+            self.log.info(text)
+
+    def end_epoch(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def write_summary(output_dir: Path, summary: dict[str, Any]) -> Path:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    path = output_dir / "summary.json"
+    temporary = path.with_suffix(".json.tmp")
+    temporary.write_text(json.dumps(summary, indent=2) + "\n")
+    temporary.replace(path)
+    return path
+
+
+def final_line(summary: dict[str, Any]) -> str:
+    return (f"final test accuracy {summary['test_accuracy']:.4f} (loss {summary['test_loss']:.4f}, "
+            f"{summary['test_samples']} samples, world size {summary['world_size']})")
