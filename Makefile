@@ -12,7 +12,7 @@ TRAIN_ARGS ?=
 .PHONY: help venv data train test test-fast lint doctor clean
 
 help: ## list the targets
-	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
+	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
 
 $(BIN)/ddp-train: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,3 +48,18 @@ doctor: venv ## preflight of every collective with $(NPROC) local ranks
 
 clean: ## remove runs and caches (not the venv)
 	rm -rf runs .pytest_cache .ruff_cache
+
+# Kubernetes (k8s/): offline checks here; a kind cluster on a machine with Docker and a registry.
+.PHONY: k8s-validate kind-up kind-test kind-down
+
+k8s-validate: venv ## render every manifest and overlay; check schemas, operator rules, kind scripts
+	$(BIN)/pytest -q tests/test_k8s_manifests.py tests/test_k8s_operator.py tests/test_k8s_kind.py
+
+kind-up: ## kind cluster + training operator v1.9.4 + image, then apply k8s/overlays/kind
+	scripts/kind-cluster.sh up
+
+kind-test: ## wait for the kind job to succeed or fail, print its logs
+	scripts/kind-cluster.sh test
+
+kind-down: ## delete the kind cluster
+	scripts/kind-cluster.sh down

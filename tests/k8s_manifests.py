@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -34,21 +35,30 @@ Obj = dict[str, Any]
 
 def render(source: str) -> list[Obj]:
     """The objects `kubectl apply -f k8s/` (PLAIN_DIR) or `kubectl apply -k SOURCE` would send."""
+    return copy.deepcopy(_render(source))
+
+
+@functools.cache
+def _render(source: str) -> list[Obj]:
     if source == PLAIN_DIR:
         # Removing a label nobody has: kubectl reads the folder exactly as `apply -f` does, offline
         # (--local), and prints the objects unchanged, one JSON document after another.
         cmd = ["kubectl", "label", "--local", "-o", "json", "-f", str(REPO_ROOT / source), "absent-label-"]
     else:
         cmd = ["kubectl", "kustomize", str(REPO_ROOT / source)]
+    if shutil.which("kubectl") is None:
+        raise AssertionError("kubectl not found on PATH: the manifests are rendered with it (a client, "
+                             "1.27 or newer for its built-in kustomize v5)")
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{out.stderr}")
     if source != PLAIN_DIR:
         return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
-    decoder, objects, at = json.JSONDecoder(), [], 0
-    while out.stdout[at:].strip():
-        obj, at = decoder.raw_decode(out.stdout, len(out.stdout) - len(out.stdout[at:].lstrip()))
+    objects, text = [], out.stdout.strip()
+    while text:
+        obj, end = json.JSONDecoder().raw_decode(text)
         objects.extend(obj["items"] if obj.get("kind") == "List" else [obj])
+        text = text[end:].lstrip()
     return objects
 
 

@@ -3,7 +3,7 @@
 Started once per rank by tests/test_syncbn.py through tests/procs.env_ranks:
 
     python -m tests.syncbn_worker layers --sizes 5,1,3 --out DIR
-    python -m tests.syncbn_worker ddp --per-rank 4 --out DIR [--dedicated-group]
+    python -m tests.syncbn_worker ddp --per-rank 4 --out DIR
 
 The data and models are built here, from fixed seeds, so that the test can rebuild the same global
 batch and run plain BatchNorm on it as the reference.
@@ -143,9 +143,11 @@ def sgd(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.5)
 
 
-def ddp(rank: int, world_size: int, per_rank: int, dedicated_group: bool) -> dict[str, object]:
-    """The converted ConvNet under DDP on gloo: STEPS steps of mean cross-entropy on per_rank samples."""
-    group = dist.new_group(backend="gloo") if dedicated_group else None
+def ddp(rank: int, world_size: int, per_rank: int, group: dist.ProcessGroup | None) -> dict[str, object]:
+    """The converted ConvNet under DDP on gloo: STEPS steps of mean cross-entropy on per_rank samples.
+
+    ``group`` is where SyncBatchNorm synchronises: None shares DDP's own (default) group.
+    """
     model = DistributedDataParallel(convert_sync_batchnorm(convnet(), CPU, group))
     optimizer = sgd(model)
     losses = []
@@ -167,7 +169,6 @@ def main() -> None:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--sizes", default="4,4", help="layers: samples on each rank, comma-separated")
     parser.add_argument("--per-rank", type=int, default=4, help="ddp: samples on each rank")
-    parser.add_argument("--dedicated-group", action="store_true", help="ddp: SyncBatchNorm on its own gloo group")
     args = parser.parse_args()
     identity = identity_from_env(os.environ)
     config = DistConfig(device="cpu", backend="gloo", rendezvous_timeout_s=60, collective_timeout_s=30)
@@ -176,7 +177,12 @@ def main() -> None:
             sizes = [int(size) for size in args.sizes.split(",")]
             results = layers(identity.rank, sizes)
         else:
-            results = ddp(identity.rank, identity.world_size, args.per_rank, args.dedicated_group)
+            # Both in one process: DDP's first use imports torch._dynamo, seconds per process.
+            results = {
+                "default_group": ddp(identity.rank, identity.world_size, args.per_rank, None),
+                "dedicated_group": ddp(identity.rank, identity.world_size, args.per_rank,
+                                       dist.new_group(backend="gloo")),
+            }
     torch.save(results, args.out / f"rank{identity.rank}.pt")
 
 

@@ -113,20 +113,35 @@ def init_process_group(config: DistConfig, identity: DistIdentity, device: torch
         if not identity.is_main:
             # Rank 0 hosts the store on MASTER_PORT; the others wait for it to listen.
             wait_for_master(identity.master_addr, identity.master_port, config.rendezvous_timeout_s)
-        # tcp:// lets torch decide who hosts the store: rank 0 normally, torchrun's agent when it
-        # exports TORCHELASTIC_USE_AGENT_STORE for this very address (binding it again would fail).
-        host = f"[{identity.master_addr}]" if ":" in identity.master_addr else identity.master_addr
-        try:
-            dist.init_process_group(backend, init_method=f"tcp://{host}:{identity.master_port}",
-                                    rank=identity.rank, world_size=identity.world_size, timeout=timeout)
-        except (RuntimeError, OSError, ValueError) as error:
-            raise RendezvousError(
-                f"rank {identity.rank} could not join the group at {identity.master_addr}:"
-                f"{identity.master_port} within {config.collective_timeout_s:g}s: {_first_line(error)}. "
-                f"Check that all {identity.world_size} ranks started with the same MASTER_ADDR, MASTER_PORT "
-                f"and WORLD_SIZE"
-            ) from None
+        store = _store(identity, config)
+        dist.init_process_group(backend, store=store, rank=identity.rank, world_size=identity.world_size,
+                                timeout=timeout)
     return Runtime(identity, device, backend)
+
+
+def _store(identity: DistIdentity, config: DistConfig) -> dist.Store:
+    """The key-value store the ranks meet in, with a fresh namespace for each torchrun attempt.
+
+    Under torchrun the agent serves the store and keeps it across worker restarts; without a
+    per-attempt prefix, restarted workers read the dead workers' addresses and gloo waits for
+    them until the timeout.
+    """
+    try:
+        store = dist.TCPStore(
+            identity.master_addr,
+            identity.master_port,
+            identity.world_size,
+            is_master=identity.is_main and not identity.agent_store,
+            timeout=timedelta(seconds=config.rendezvous_timeout_s),
+            wait_for_workers=False,
+        )
+    except (RuntimeError, OSError) as error:
+        raise RendezvousError(
+            f"rank {identity.rank} could not open the store at {identity.master_addr}:{identity.master_port}: "
+            f"{_first_line(error)}. Check MASTER_ADDR/MASTER_PORT (rank 0 must be able to listen on that port, "
+            f"the others to reach it) and raise --rendezvous-timeout-s if ranks start far apart"
+        ) from None
+    return dist.PrefixStore(f"ddp-deploy/attempt-{identity.restart_count}", store)
 
 
 def _first_line(error: BaseException) -> str:

@@ -35,6 +35,8 @@ class DistIdentity:
     master_port: int
     launcher: str
     hostname: str
+    restart_count: int = 0  # torchrun's TORCHELASTIC_RESTART_COUNT: which attempt this is
+    agent_store: bool = False  # torchrun's agent already serves the store at MASTER_ADDR:MASTER_PORT
 
     @property
     def is_main(self) -> bool:
@@ -144,8 +146,11 @@ def identity_from_env(env: Mapping[str, str], hostname: str | None = None) -> Di
     if local_world_size > world_size:
         raise LaunchEnvError(f"LOCAL_WORLD_SIZE={local_world_size} exceeds WORLD_SIZE={world_size}")
     master_addr, master_port = _master(env, world_size, "set MASTER_ADDR and MASTER_PORT to rank 0's host and port")
+    restart_count = _int(env, "TORCHELASTIC_RESTART_COUNT", "set by torchrun") \
+        if "TORCHELASTIC_RESTART_COUNT" in has else 0
     return DistIdentity(rank, local_rank, world_size, local_world_size, node_rank, num_nodes,
-                        master_addr, master_port, launcher, host)
+                        master_addr, master_port, launcher, host, restart_count,
+                        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True")
 
 
 def _refuse_node_rank_as_process_rank(env: Mapping[str, str], world_size: int) -> None:

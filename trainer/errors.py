@@ -12,6 +12,7 @@ EXIT_FAILURE = 1  # an unexpected error: a bug, a traceback is printed
 EXIT_USAGE = 2  # bad flags, environment, data or checkpoint: fix the input, do not retry
 EXIT_RENDEZVOUS = 3  # the master could not be reached before the deadline
 EXIT_PREEMPTED = 143  # SIGTERM received, checkpoint written: retry (128 + SIGTERM, as Kubernetes reports it)
+EXIT_PEER_LOST = 200  # another rank died or vanished mid-training: retry from the last checkpoint
 
 
 class UserError(Exception):

@@ -7,6 +7,7 @@ Runs as ``python -m trainer``, as the ``ddp-train`` command, and as a script
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -23,7 +24,7 @@ from trainer.cli import dump_yaml, parse_config
 from trainer.config import Config
 from trainer.distributed import Runtime, choose_device, gather_to_main, process_group, threads_per_rank
 from trainer.env import identity_from_env
-from trainer.errors import EXIT_OK, EXIT_PREEMPTED, Preempted, UserError
+from trainer.errors import EXIT_OK, EXIT_PEER_LOST, EXIT_PREEMPTED, Preempted, UserError
 from trainer.loop import Trainer
 from trainer.preemption import PreemptionWatcher
 from trainer.report import final_line, setup_logging, write_summary
@@ -74,6 +75,11 @@ def train(config: Config, runtime: Runtime) -> dict[str, object]:
     return summary
 
 
+# What gloo and NCCL say when a peer process is gone; such an error is the other rank's story, not this one's.
+PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|Connection refused|"
+                       r"NCCL communicator was aborted|Timed out waiting|timed out|DistNetworkError", re.IGNORECASE)
+
+
 def _all_identities(runtime: Runtime) -> list[dict[str, object]]:
     return gather_to_main(runtime.identity.to_dict(), runtime) or []
 
@@ -93,6 +99,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as error:
         print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
         return error.exit_code
+    except RuntimeError as error:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        if not (isinstance(error, torch.distributed.DistError) or PEER_LOST.search(first)):
+            raise
+        print(f"[rank {rank}] error: lost contact with another rank ({first[:300]}); it probably crashed or "
+              f"was stopped, and its own log says why. Checkpoints are intact; exiting with {EXIT_PEER_LOST} so "
+              f"the launcher can restart the job", file=sys.stderr, flush=True)
+        return EXIT_PEER_LOST
     except Preempted as stopped:
         print(f"[rank {rank}] {stopped}; exiting with {EXIT_PREEMPTED} so the launcher retries", file=sys.stderr,
               flush=True)

@@ -52,10 +52,11 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 
 def library_versions() -> dict[str, str]:
+    # str(): torch.__version__ is a TorchVersion, a class weights_only loading refuses.
     return {
-        "trainer": trainer.__version__,
-        "torch": torch.__version__,
-        "torchvision": torchvision.__version__,
-        "numpy": np.__version__,
+        "trainer": str(trainer.__version__),
+        "torch": str(torch.__version__),
+        "torchvision": str(torchvision.__version__),
+        "numpy": str(np.__version__),
         "python": platform.python_version(),
     }

@@ -1,0 +1,40 @@
+"""Reading what the trainer wrote, for assertions: checkpoints and summaries."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.checkpoint import open_storage, verify
+
+
+def newest_checkpoint(checkpoint_dir: Path) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """(name, manifest, state) of the newest valid checkpoint."""
+    storage = open_storage(str(checkpoint_dir))
+    names = storage.list_checkpoints()
+    assert names, f"no checkpoint in {checkpoint_dir}"
+    loaded = verify(storage, names[0])
+    return names[0], loaded.manifest, loaded.state
+
+
+def assert_same_tensors(left: Any, right: Any, path: str = "") -> None:
+    """Bitwise equality of nested state (tensors compared with torch.equal)."""
+    if isinstance(left, torch.Tensor):
+        assert isinstance(right, torch.Tensor) and left.dtype == right.dtype and torch.equal(left, right), path
+    elif isinstance(left, dict):
+        assert set(left) == set(right), f"{path}: keys differ"
+        for key in left:
+            assert_same_tensors(left[key], right[key], f"{path}/{key}")
+    elif isinstance(left, list | tuple):
+        assert len(left) == len(right), path
+        for index, (a, b) in enumerate(zip(left, right, strict=True)):
+            assert_same_tensors(a, b, f"{path}/{index}")
+    else:
+        assert left == right, f"{path}: {left!r} != {right!r}"
+
+
+def summary(output_dir: Path) -> dict[str, Any]:
+    return json.loads((output_dir / "summary.json").read_text())

@@ -1,0 +1,116 @@
+"""The in-memory dataset, its batched access, and the synthetic dataset."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from trainer.config import DataConfig
+from trainer.data import ImageTensorDataset, collate_batch, load_datasets
+from trainer.distributed import Runtime
+from trainer.env import identity_from_env
+
+ONE_PROCESS = Runtime(identity_from_env({}), torch.device("cpu"), "gloo")
+
+
+def small_dataset() -> ImageTensorDataset:
+    images = torch.arange(6 * 2 * 3 * 3, dtype=torch.int64).remainder(256).to(torch.uint8).view(6, 2, 3, 3)
+    return ImageTensorDataset(images, torch.arange(6), mean=(0.5, 0.25), std=(0.5, 0.1))
+
+
+def test_getitem_normalises_each_channel_with_its_mean_and_std() -> None:
+    dataset = small_dataset()
+    image, label = dataset[4]
+    expected = (dataset.images[4].float() / 255 - torch.tensor([0.5, 0.25]).view(2, 1, 1)) / torch.tensor(
+        [0.5, 0.1]).view(2, 1, 1)
+    assert image.dtype == torch.float32 and label.dtype == torch.int64 and int(label) == 4
+    torch.testing.assert_close(image, expected)
+
+
+def test_getitems_equals_stacking_getitem() -> None:
+    dataset = small_dataset()
+    indices = [5, 0, 3, 3]
+    images, labels = dataset.__getitems__(indices)
+    torch.testing.assert_close(images, torch.stack([dataset[i][0] for i in indices]))
+    assert torch.equal(labels, torch.stack([dataset[i][1] for i in indices]))
+
+
+def test_dataloader_batches_come_from_getitems_unchanged() -> None:
+    dataset = small_dataset()
+    loader = DataLoader(dataset, batch_size=4, collate_fn=collate_batch)
+    batches = list(loader)
+    assert [len(labels) for _, labels in batches] == [4, 2]
+    torch.testing.assert_close(batches[0][0], dataset.__getitems__([0, 1, 2, 3])[0])
+
+
+def test_dataset_and_collate_survive_pickling_for_worker_processes() -> None:
+    dataset, collate = pickle.loads(pickle.dumps((small_dataset(), collate_batch)))
+    assert collate is collate_batch
+    torch.testing.assert_close(dataset[2][0], small_dataset()[2][0])
+
+
+def test_mean_and_std_must_cover_every_channel() -> None:
+    with pytest.raises(ValueError, match="mean and std need 2 values"):
+        ImageTensorDataset(torch.zeros(1, 2, 3, 3, dtype=torch.uint8), torch.zeros(1, dtype=torch.int64),
+                           mean=(0.5,), std=(0.5,))
+
+
+def synthetic(**overrides: object) -> tuple[ImageTensorDataset, ImageTensorDataset]:
+    config = DataConfig(dataset="synthetic", **overrides)  # type: ignore[arg-type]
+    train, test, _ = load_datasets(config, ONE_PROCESS)
+    return train, test
+
+
+def test_synthetic_data_is_the_same_whatever_the_global_rng() -> None:
+    torch.manual_seed(1)
+    first_train, first_test = synthetic(synthetic_train_size=64, synthetic_test_size=32)
+    torch.manual_seed(2)
+    second_train, second_test = synthetic(synthetic_train_size=64, synthetic_test_size=32)
+    assert torch.equal(first_train.images, second_train.images) and torch.equal(first_train.labels, second_train.labels)
+    assert torch.equal(first_test.images, second_test.images)
+    assert not torch.equal(first_train.images[:32], first_test.images)
+
+
+def test_synthetic_generation_leaves_the_global_rng_alone() -> None:
+    torch.manual_seed(3)
+    synthetic(synthetic_train_size=16, synthetic_test_size=16)
+    after = torch.rand(1)
+    torch.manual_seed(3)
+    assert torch.equal(after, torch.rand(1))
+
+
+@pytest.mark.parametrize("shape", ["1,28,28", "3,20,36", "5,1,1"])
+def test_synthetic_data_takes_any_shape(shape: str) -> None:
+    config = DataConfig(dataset="synthetic", synthetic_shape=shape, synthetic_train_size=40, synthetic_test_size=20,
+                        synthetic_classes=4)
+    train, test, info = load_datasets(config, ONE_PROCESS)
+    c, h, w = (int(part) for part in shape.split(","))
+    assert (info.in_channels, info.image_size, info.num_classes) == (c, (h, w), 4)
+    assert train.images.shape == (40, c, h, w) and test.images.shape == (20, c, h, w)
+    assert train.__getitems__([0, 1])[0].shape == (2, c, h, w)
+
+
+def test_synthetic_classes_are_balanced_and_learnable() -> None:
+    train, test = synthetic(synthetic_train_size=500, synthetic_test_size=200)
+    assert train.labels.bincount().tolist() == [50] * 10
+    torch.manual_seed(0)
+    model = torch.nn.Linear(28 * 28, 10)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    images, labels = train.__getitems__(list(range(len(train))))
+    for _ in range(30):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(images.flatten(1)), labels).backward()
+        optimizer.step()
+    test_images, test_labels = test.__getitems__(list(range(len(test))))
+    accuracy = (model(test_images.flatten(1)).argmax(1) == test_labels).float().mean().item()
+    assert accuracy > 0.8  # chance is 0.1
+
+
+def test_max_samples_keep_the_first_n() -> None:
+    full_train, full_test = synthetic()
+    train, test = synthetic(max_train_samples=100, max_test_samples=7)
+    assert len(train) == 100 and torch.equal(train.images, full_train.images[:100])
+    assert len(test) == 7 and torch.equal(test.labels, full_test.labels[:7])
