@@ -35,13 +35,14 @@ data: ## install the full Fashion-MNIST from Debian when possible (else the ship
 
 train: venv data ## the main job: $(NPROC) CPU ranks on Fashion-MNIST, test accuracy and a checkpoint
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(NPROC) -m trainer \
-	  --epochs $(EPOCHS) --output-dir runs/main $(TRAIN_ARGS)
+	  --epochs $(EPOCHS) --scale-lr --output-dir runs/main $(TRAIN_ARGS)
 
-test: venv ## the test suite (Docker tests run where an engine answers; .ci/run starts one)
-	$(BIN)/pytest -q $(PYTEST_ARGS)
+test: venv ## lint, then the whole test suite (Docker tests run where an engine answers; .ci/run starts one)
+	$(BIN)/ruff check .
+	$(BIN)/pytest -q -ra $(PYTEST_ARGS)
 
 lint: venv ## ruff over the code
-	$(BIN)/ruff check trainer tests bench torchx_components scripts
+	$(BIN)/ruff check .
 
 doctor: venv ## preflight of every collective with $(NPROC) local ranks
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(NPROC) -m trainer.doctor
@@ -63,3 +64,20 @@ kind-test: ## wait for the kind job to succeed or fail, print its logs
 
 kind-down: ## delete the kind cluster
 	scripts/kind-cluster.sh down
+
+# Containers (docker/, compose.yaml). Compose settings (NODES, RANKS_PER_NODE, EPOCHS, DATASET, ...) come from
+# the environment, the command line (make compose-up NODES=3) or .env; see .env.example.
+.PHONY: image compose-up compose-down compose-test
+IMAGE ?= ddp-deploy:latest
+
+image: ## build the trainer image: CPU torch (GPU: build arguments in docker/Dockerfile); offline: .ci/docker-setup.sh
+	docker build -f docker/Dockerfile -t $(IMAGE) .
+
+compose-up: ## NODES (2) containers x RANKS_PER_NODE (2) ranks train together; run again to resume
+	IMAGE=$(IMAGE) docker compose up
+
+compose-down: ## remove the compose containers, network and volumes (checkpoints included)
+	docker compose down --volumes
+
+compose-test: venv ## the image and compose tests, nodes killed included (needs the engine and the image)
+	IMAGE=$(IMAGE) $(BIN)/pytest -q tests/test_docker.py
