@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.checkpoints import assert_same_tensors, newest_checkpoint, summary
-from tests.procs import REPO_ROOT, TORCHRUN, clean_env, torchrun
+from tests.procs import REPO_ROOT, TORCHRUN, clean_env, free_port, torchrun
 from trainer.errors import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.slow
@@ -85,11 +85,8 @@ def test_sigterm_writes_a_checkpoint_exits_retryable_and_resumes_exactly(referen
 
 def _worker_pid(agent_pid: int, rank: int) -> int:
     """The torchrun worker with RANK=rank among the agent's children."""
-    children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(agent_pid)], capture_output=True, text=True,
-                              check=True).stdout.split()
-    for pid in map(int, children):
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        if f"RANK={rank}".encode() in environ:
+    for pid in _children(agent_pid):
+        if _rank_of(pid) == rank:
             return pid
     raise AssertionError(f"no worker with RANK={rank} under torchrun pid {agent_pid}")
 
@@ -103,3 +100,33 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_the_job_ends_identical(refer
     assert "resumed from" in stderr
     assert summary(tmp_path)["resumed_from"] is not None
     assert_same_tensors(final_state(tmp_path), reference)
+
+
+def test_a_killed_rank_on_one_of_two_nodes_restarts_both_nodes_and_the_job_ends_identical(reference, tmp_path):
+    """Two torchrun agents (nodes) with c10d rendezvous: node 1's worker dies, node 1 counts a restart and
+    node 0 only sees a new round; the restarted ranks must still find each other (not old addresses)."""
+    port = free_port()
+    agents = [subprocess.Popen(
+        [*TORCHRUN, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+         "--rdzv-id=two-nodes", "--max-restarts=2", "-m", "trainer", *run_args(tmp_path)],
+        env=clean_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True) for _ in range(2)]
+    _wait_for_checkpoint(tmp_path / "checkpoints", agents[0])
+    killed = next(pid for agent in agents for pid in _children(agent.pid) if _rank_of(pid) == 1)
+    os.kill(killed, signal.SIGKILL)
+    outputs = [agent.communicate(timeout=300) for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    assert summary(tmp_path)["resumed_from"] is not None
+    assert_same_tensors(final_state(tmp_path), reference)
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True, check=True).stdout
+    return [int(child) for child in out.split()]
+
+
+def _rank_of(pid: int) -> int | None:
+    for entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+        if entry.startswith(b"RANK="):
+            return int(entry[5:])
+    return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -120,28 +121,61 @@ def init_process_group(config: DistConfig, identity: DistIdentity, device: torch
 
 
 def _store(identity: DistIdentity, config: DistConfig) -> dist.Store:
-    """The key-value store the ranks meet in, with a fresh namespace for each torchrun attempt.
-
-    Under torchrun the agent serves the store and keeps it across worker restarts; without a
-    per-attempt prefix, restarted workers read the dead workers' addresses and gloo waits for
-    them until the timeout.
-    """
+    """The key-value store the ranks meet in: rank 0's own, or torchrun's agent store (see below)."""
+    timeout = timedelta(seconds=config.rendezvous_timeout_s)
     try:
-        store = dist.TCPStore(
-            identity.master_addr,
-            identity.master_port,
-            identity.world_size,
-            is_master=identity.is_main and not identity.agent_store,
-            timeout=timedelta(seconds=config.rendezvous_timeout_s),
-            wait_for_workers=False,
-        )
+        store = dist.TCPStore(identity.master_addr, identity.master_port, identity.world_size,
+                              is_master=identity.is_main and not identity.agent_store, timeout=timeout,
+                              wait_for_workers=False)
+        return _fresh_store(store, identity, config) if identity.agent_store else store
     except (RuntimeError, OSError) as error:
         raise RendezvousError(
             f"rank {identity.rank} could not open the store at {identity.master_addr}:{identity.master_port}: "
             f"{_first_line(error)}. Check MASTER_ADDR/MASTER_PORT (rank 0 must be able to listen on that port, "
             f"the others to reach it) and raise --rendezvous-timeout-s if ranks start far apart"
         ) from None
-    return dist.PrefixStore(f"ddp-deploy/attempt-{identity.restart_count}", store)
+
+
+FRESH_STORE_KEY = "ddp-deploy/fresh-store"
+TOKEN_KEY = "ddp-deploy/token"
+
+
+def _fresh_store(agent_store: dist.TCPStore, identity: DistIdentity, config: DistConfig) -> dist.TCPStore:
+    """A store that only this round's ranks have written to.
+
+    torchrun's agent keeps its store across worker restarts, with the dead workers' keys in it: the
+    restarted ranks would read old gloo addresses and wait for them until the timeout. No key prefix
+    fixes that, because nothing the ranks know tells them apart from the previous round (restart
+    counts differ between nodes: a node restarted for another node's failure does not count it).
+    So rank 0 (on MASTER_ADDR's host) opens a new store on a free port and announces it with a
+    random token; the others accept an announcement only when a store answers there with that
+    token, which an announcement left by a dead rank 0 never does.
+    """
+    timeout = timedelta(seconds=config.rendezvous_timeout_s)
+    if identity.is_main:
+        fresh = dist.TCPStore(identity.master_addr, 0, identity.world_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False)
+        token = uuid.uuid4().hex
+        fresh.set(TOKEN_KEY, token)
+        agent_store.set(FRESH_STORE_KEY, f"{fresh.port}:{token}")
+        return fresh
+    deadline = time.monotonic() + config.rendezvous_timeout_s
+    while True:
+        port, token = agent_store.get(FRESH_STORE_KEY).decode().split(":")
+        try:
+            candidate = dist.TCPStore(identity.master_addr, int(port), identity.world_size, is_master=False,
+                                      timeout=timedelta(seconds=2))
+            if candidate.get(TOKEN_KEY).decode() == token:
+                return candidate
+        except (RuntimeError, OSError):
+            pass  # the announcement of a rank 0 that is gone: wait for the new one
+        if time.monotonic() > deadline:
+            raise RendezvousError(
+                f"rank {identity.rank}: rank 0 never announced a reachable store through torchrun's store at "
+                f"{identity.master_addr}:{identity.master_port} within {config.rendezvous_timeout_s:g}s; "
+                f"check that rank 0 started and that its host accepts connections on any port"
+            )
+        time.sleep(0.2)
 
 
 def _first_line(error: BaseException) -> str:

@@ -41,16 +41,16 @@ def evaluate(model: nn.Module, setup: TrainingSetup, runtime: Runtime) -> EvalRe
     broadcast_buffers(model, runtime)
     plain = unwrap(model)
     plain.eval()
-    totals = torch.zeros(3, dtype=torch.float64)
+    # Totals stay on the device: a .item() per batch would wait for the GPU at every batch.
+    totals = torch.zeros(3, dtype=torch.float64, device=runtime.device)
     with torch.no_grad(), setup.autocast(runtime.device):
         for images, labels in setup.test_loader:
             images, labels = images.to(runtime.device, non_blocking=True), labels.to(runtime.device)
             logits = plain(images).float()
-            totals[0] += nn.functional.cross_entropy(logits, labels, reduction="sum").item()
-            totals[1] += (logits.argmax(dim=1) == labels).sum().item()
+            totals[0] += nn.functional.cross_entropy(logits, labels, reduction="sum").double()
+            totals[1] += (logits.argmax(dim=1) == labels).sum()
             totals[2] += labels.numel()
     plain.train()
-    totals = totals.to(runtime.device)
     dist.all_reduce(totals)
     loss_sum, correct, count = totals.tolist()
     return EvalResult(accuracy=correct / max(count, 1), loss=loss_sum / max(count, 1), samples=int(count))
@@ -114,7 +114,9 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def save_checkpoint(self, test_accuracy: float | None = None) -> None:
-        if self.position.step == self._last_saved_step:
+        # An epoch-end save replaces a --checkpoint-every save of the same step: it adds the test
+        # accuracy (for --keep-best) and the completed epoch.
+        if self.position.step == self._last_saved_step and test_accuracy is None:
             return
         broadcast_buffers(self.setup.model, self.runtime)
         state: dict[str, Any] = {
@@ -149,7 +151,7 @@ class Trainer:
             full_epoch_batches = math.ceil(len(setup.train_sampler.dataset) / per_batch)
             self.progress.start_epoch(epoch, config.train.epochs, math.ceil(full_epoch_batches / accum),
                                       self.position.samples_in_epoch // per_batch // accum)
-            window = _Window()
+            window = _Window(runtime.device)
             batch_order = self._batch_order() if self._sample_log else None
             micro = 0
             for index, (images, labels) in enumerate(setup.train_loader):
@@ -174,7 +176,7 @@ class Trainer:
                     continue
                 micro = 0
                 lr = self._optimizer_step()
-                self.progress.step(float(loss.detach()))
+                self.progress.step(loss)
                 if self.position.step % config.output.log_every == 0:
                     self._log_window(window, lr)
                 if self.watcher.should_stop():
@@ -254,21 +256,22 @@ class Trainer:
 
 
 class _Window:
-    """Loss, accuracy and speed since the last log line, summed locally and reduced once when logged."""
+    """Loss, accuracy and speed since the last log line, summed on the device (no per-step wait for
+    the GPU) and reduced across ranks once, when logged."""
 
-    def __init__(self) -> None:
-        self.totals = torch.zeros(3, dtype=torch.float64)
+    def __init__(self, device: torch.device) -> None:
+        self.totals = torch.zeros(3, dtype=torch.float64, device=device)
         self.started = time.perf_counter()
 
     def add(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
         count = labels.numel()
-        self.totals += torch.tensor([float(loss) * count, float((logits.argmax(1) == labels).sum()), count],
-                                    dtype=torch.float64)
+        self.totals[0] += loss.double() * count
+        self.totals[1] += (logits.argmax(1) == labels).sum()
+        self.totals[2] += count
 
     def reduce(self, runtime: Runtime) -> tuple[float, float, float]:
-        totals = self.totals.to(runtime.device)
-        dist.all_reduce(totals)
-        loss_sum, correct, count = totals.tolist()
+        dist.all_reduce(self.totals)
+        loss_sum, correct, count = self.totals.tolist()
         elapsed = max(time.perf_counter() - self.started, 1e-9)
         self.totals.zero_()
         self.started = time.perf_counter()

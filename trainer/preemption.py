@@ -43,7 +43,9 @@ class PreemptionWatcher:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self.signal_received is not None:
-            return
+            # A second signal is a person insisting (Ctrl-C twice): stop now; saves are atomic.
+            self.log.error("second %s: exiting now without a new checkpoint", signal.Signals(signum).name)
+            os._exit(EXIT_PREEMPTED)
         self.signal_received = signum
         self._deadline_timer = threading.Timer(self.grace_period_s, self._grace_period_over)
         self._deadline_timer.daemon = True

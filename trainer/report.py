@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+import torch
+
 from trainer.env import DistIdentity
 
 
@@ -77,10 +79,10 @@ class ProgressDisplay:
             self._bar = tqdm(total=total_steps, initial=done_steps, desc=f"epoch {epoch + 1}/{epochs}",
                              unit="step", file=self.stream, dynamic_ncols=True, leave=True)
 
-    def step(self, loss: float) -> None:
-        if self._bar is not None:
+    def step(self, loss: torch.Tensor) -> None:
+        if self._bar is not None:  # reading the loss waits for the device: only when it is shown
             self._bar.update(1)
-            self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+            self._bar.set_postfix(loss=f"{float(loss):.4f}", refresh=False)
 
     def line(self, text: str) -> None:
         """A periodic metrics line: logged when there is no bar, shown above the bar otherwise."""

@@ -6,7 +6,6 @@ one (no manifest, wrong size or checksum, unreadable) is reported and skipped, n
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import logging
@@ -18,13 +17,20 @@ from typing import Any
 import torch
 
 from trainer.checkpoint.state import capture_rng, library_versions
-from trainer.checkpoint.storage import MANIFEST, CheckpointStorage, checkpoint_name, open_storage, step_of
+from trainer.checkpoint.storage import (
+    MANIFEST,
+    CheckpointStorage,
+    checkpoint_name,
+    crc32_hex,
+    open_storage,
+    step_of,
+)
 from trainer.config import CheckpointConfig
 from trainer.distributed import Runtime, broadcast_from_main, gather_to_main
 from trainer.errors import CheckpointError
 
 STATE_FILE = "state.pt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: streamed writes, crc32 checksums
 
 
 class InvalidCheckpoint(Exception):
@@ -46,30 +52,57 @@ class SaveTiming:
 
 
 def verify(storage: CheckpointStorage, name: str) -> LoadedCheckpoint:
-    """Read one checkpoint and check it against its manifest; InvalidCheckpoint says what is wrong."""
+    """Read one checkpoint and check it against its manifest; InvalidCheckpoint says what is wrong, in one line."""
     if not storage.exists(name, MANIFEST):
-        raise InvalidCheckpoint("no manifest (the save did not finish)")
-    try:
-        manifest = json.loads(storage.read(name, MANIFEST))
-        expected = manifest["files"][STATE_FILE]
-        if manifest.get("format") != FORMAT_VERSION:
-            raise InvalidCheckpoint(f"format {manifest.get('format')!r}, this trainer reads {FORMAT_VERSION}")
-    except (ValueError, KeyError, TypeError) as error:
-        raise InvalidCheckpoint(f"unreadable manifest ({error})") from None
+        raise InvalidCheckpoint("no manifest (the save did not finish)" if storage.has_folder(name)
+                                else "no such checkpoint folder")
+    manifest, size, checksum = _read_manifest(storage, name)
     try:
         data = storage.read(name, STATE_FILE)
     except OSError as error:
-        raise InvalidCheckpoint(f"{STATE_FILE} unreadable ({error})") from None
-    if len(data) != expected["bytes"]:
-        raise InvalidCheckpoint(f"{STATE_FILE} has {len(data)} bytes, the manifest says {expected['bytes']}")
-    if hashlib.sha256(data).hexdigest() != expected["sha256"]:
-        raise InvalidCheckpoint(f"{STATE_FILE} does not match the manifest's sha256 checksum")
+        raise InvalidCheckpoint(f"{STATE_FILE} unreadable ({error.strerror or error})") from None
+    if len(data) != size:
+        raise InvalidCheckpoint(f"{STATE_FILE} has {len(data)} bytes, the manifest says {size}")
+    if crc32_hex(data) != checksum:
+        raise InvalidCheckpoint(f"{STATE_FILE} does not match the manifest's crc32 checksum (corrupted)")
     try:
         # weights_only: a checkpoint on shared storage must not be able to run code when loaded.
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - any unpickling failure means the same: unusable
-        raise InvalidCheckpoint(f"{STATE_FILE} does not load with weights_only=True ({error})") from None
+        raise InvalidCheckpoint(f"{STATE_FILE} does not load with weights_only=True ({_load_failure(error)})"
+                                ) from None
+    if not isinstance(state, dict):
+        raise InvalidCheckpoint(f"{STATE_FILE} holds a {type(state).__name__}, not a training state")
     return LoadedCheckpoint(storage.describe(name), manifest, state)
+
+
+def _read_manifest(storage: CheckpointStorage, name: str) -> tuple[dict[str, Any], int, str]:
+    """The manifest, and the size and checksum it promises for the state file."""
+    try:
+        manifest = json.loads(storage.read(name, MANIFEST))
+        expected = manifest["files"][STATE_FILE]
+        size, checksum = int(expected["bytes"]), str(expected["crc32"])
+        version = manifest.get("format")
+    except OSError as error:
+        raise InvalidCheckpoint(f"{MANIFEST} unreadable ({error.strerror or error})") from None
+    except ValueError as error:  # JSONDecodeError and UnicodeDecodeError included
+        raise InvalidCheckpoint(f"{MANIFEST} is not valid JSON ({error})") from None
+    except KeyError as error:
+        raise InvalidCheckpoint(f"{MANIFEST} has no {error} entry") from None
+    except (TypeError, AttributeError):
+        raise InvalidCheckpoint(f"{MANIFEST} does not have the layout this trainer writes") from None
+    if version != FORMAT_VERSION:
+        raise InvalidCheckpoint(f"format {version!r}, this trainer reads {FORMAT_VERSION}")
+    return manifest, size, checksum
+
+
+def _load_failure(error: Exception) -> str:
+    """The one informative sentence of torch.load's error (its weights_only message is a page long)."""
+    text = str(error)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    first = (text.strip().splitlines() or [type(error).__name__])[0]
+    return first.split(". ", 1)[0].rstrip(".")[:300]
 
 
 class CheckpointManager:
@@ -126,16 +159,15 @@ class CheckpointManager:
         if folder.endswith(f"/{STATE_FILE}") or folder.endswith(f"/{MANIFEST}"):
             folder = folder.rsplit("/", 1)[0]
         parent, _, name = folder.rpartition("/")
-        storage = open_storage(parent or ".")
         try:
-            return verify(storage, name)
+            return verify(open_storage(parent or "."), name)
         except InvalidCheckpoint as problem:
             raise CheckpointError(
                 f"--resume {path}: {problem}; pass another checkpoint folder, --resume latest to take the newest "
                 f"valid one, or --resume none to start afresh"
             ) from None
         except OSError as error:
-            raise CheckpointError(f"--resume {path}: cannot read it ({error})") from None
+            raise CheckpointError(f"--resume {path}: cannot read it ({error.strerror or error})") from None
 
     # -- save ----------------------------------------------------------------------------------------------
     def save(self, state: dict[str, Any], manifest_extra: dict[str, Any]) -> None:
@@ -203,38 +235,47 @@ class CheckpointManager:
 
     def _write(self, name: str, state: dict[str, Any], manifest_extra: dict[str, Any]) -> None:
         started = time.perf_counter()
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        data = buffer.getvalue()
-        manifest = {
-            "format": FORMAT_VERSION,
-            **manifest_extra,
-            "created_unix": time.time(),
-            "files": {STATE_FILE: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}},
-        }
-        self.storage.write(name, {STATE_FILE: data}, json.dumps(manifest, indent=2).encode())
-        self.last_timing.write_s = time.perf_counter() - started
-        self.last_timing.bytes = len(data)
-        self.log.info("checkpoint %s written (%.1f MB in %.2fs)", self.storage.describe(name), len(data) / 1e6,
-                      self.last_timing.write_s)
-        self._prune(keep=name)
+        written: dict[str, dict[str, Any]] = {}
 
-    def _prune(self, keep: str) -> None:
-        """Keep the newest ``keep_last`` committed checkpoints and, optionally, the most accurate one."""
+        def make_manifest(files: dict[str, dict[str, Any]]) -> bytes:
+            written.update(files)
+            manifest = {"format": FORMAT_VERSION, **manifest_extra, "created_unix": time.time(), "files": files}
+            return json.dumps(manifest, indent=2).encode()
+
+        # torch.save streams straight into the temporary file (through the checksum): no serialised copy
+        # of the whole state in memory, no second pass to hash it.
+        self.storage.write(name, {STATE_FILE: lambda handle: torch.save(state, handle)}, make_manifest)
+        self.last_timing.write_s = time.perf_counter() - started
+        self.last_timing.bytes = written[STATE_FILE]["bytes"]
+        self.log.info("checkpoint %s written (%.1f MB in %.2fs)", self.storage.describe(name),
+                      self.last_timing.bytes / 1e6, self.last_timing.write_s)
+        self._prune(written=name)
+
+    def _prune(self, written: str) -> None:
+        """Keep the newest ``keep_last`` committed checkpoints up to the one just written and, optionally,
+        the most accurate of them.
+
+        Folders of later steps are left alone: they are either broken ones this run skipped when
+        resuming (each is replaced when training reaches its step) or another history the user chose
+        to leave with --resume PATH; counting them would delete this run's good fallbacks.
+        """
+        current = step_of(written) or 0
+        older = [name for name in self.storage.list_checkpoints() if (step_of(name) or 0) <= current]
         committed: list[tuple[str, dict[str, Any]]] = []
-        for name in self.storage.list_checkpoints():
+        for name in older:
             try:
-                committed.append((name, json.loads(self.storage.read(name, MANIFEST))))
+                manifest = json.loads(self.storage.read(name, MANIFEST))
             except (OSError, ValueError):
-                continue  # not committed: never counted, removed below once older than what is kept
-        kept = {name for name, _ in committed[: self.config.keep_last]} | {keep}
+                continue  # never committed: not counted, and removed below as unusable
+            committed.append((name, manifest if isinstance(manifest, dict) else {}))
+        kept = {name for name, _ in committed[: self.config.keep_last]} | {written}
         if self.config.keep_best:
-            scored = [(m.get("test_accuracy"), name) for name, m in committed if m.get("test_accuracy") is not None]
+            scored = [(m["test_accuracy"], step_of(name) or 0, name) for name, m in committed
+                      if isinstance(m.get("test_accuracy"), int | float)]
             if scored:
-                kept.add(max(scored)[1])
-        newest_kept = max(step_of(name) or 0 for name in kept)
-        for name in self.storage.list_checkpoints():
-            if name in kept or (step_of(name) or 0) > newest_kept:
+                kept.add(max(scored)[2])
+        for name in older:
+            if name in kept:
                 continue
             try:
                 self.storage.remove(name)

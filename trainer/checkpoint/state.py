@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import platform
 import random
+from importlib import metadata
 from typing import Any
 
 import numpy as np
 import torch
-import torchvision
 
 import trainer
 
@@ -52,11 +52,12 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 
 def library_versions() -> dict[str, str]:
-    # str(): torch.__version__ is a TorchVersion, a class weights_only loading refuses.
+    # str(): torch.__version__ is a TorchVersion, a class weights_only loading refuses. torchvision's
+    # version comes from its metadata: importing it costs seconds in processes that only save.
     return {
         "trainer": str(trainer.__version__),
         "torch": str(torch.__version__),
-        "torchvision": str(torchvision.__version__),
+        "torchvision": metadata.version("torchvision"),
         "numpy": str(np.__version__),
         "python": platform.python_version(),
     }

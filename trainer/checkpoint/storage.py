@@ -2,25 +2,34 @@
 folder that looks complete.
 
 A checkpoint is a folder ``step-00000123`` holding ``state.pt`` and ``manifest.json``. It is
-written under a temporary name, every file flushed and fsynced, the manifest (with checksums)
-last, then renamed into place. Readers ignore temporaries and anything without a valid manifest.
+written under a temporary name, every file streamed through a checksum and fsynced, the manifest
+(with sizes and checksums) last, then renamed into place. Readers ignore temporaries and anything
+without a valid manifest.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
 import uuid
+import zlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import IO, Any
 
 from trainer.errors import CheckpointError
 
 CHECKPOINT_NAME = re.compile(r"^step-(\d{8,})$")
 TEMP_PREFIX = ".tmp-"
+REPLACED_PREFIX = f"{TEMP_PREFIX}replaced-"
 MANIFEST = "manifest.json"
+
+FileWriter = Callable[[IO[bytes]], None]  # writes one file's content into an open binary handle
+ManifestMaker = Callable[[dict[str, dict[str, Any]]], bytes]  # {filename: {"bytes", "crc32"}} -> manifest
 
 
 def checkpoint_name(step: int) -> str:
@@ -30,6 +39,40 @@ def checkpoint_name(step: int) -> str:
 def step_of(name: str) -> int | None:
     match = CHECKPOINT_NAME.match(name)
     return int(match.group(1)) if match else None
+
+
+class ChecksumWriter:
+    """Counts and checksums the bytes on their way to the file, so nothing is held in memory or read back.
+
+    CRC-32 rather than SHA-256: the manifest guards against torn writes and corrupted media, not an
+    attacker (who could rewrite the manifest too; weights_only loading is the defence there), and on
+    CPUs without SHA extensions SHA-256 runs at ~0.15 GB/s, slower than the disk (bench/checkpoint_bench.py).
+    """
+
+    def __init__(self, handle: IO[bytes]) -> None:
+        self.handle = handle
+        self.bytes = 0
+        self.crc32 = 0
+        self.error: OSError | None = None
+
+    def write(self, data: bytes | memoryview) -> int:
+        self.crc32 = zlib.crc32(data, self.crc32)
+        self.bytes += memoryview(data).nbytes
+        try:
+            return self.handle.write(data)
+        except OSError as error:
+            self.error = error  # torch.save turns it into a RuntimeError about stream positions
+            raise
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+    def summary(self) -> dict[str, Any]:
+        return {"bytes": self.bytes, "crc32": f"{self.crc32:08x}"}
+
+
+def crc32_hex(data: bytes) -> str:
+    return f"{zlib.crc32(data):08x}"
 
 
 class CheckpointStorage(ABC):
@@ -46,24 +89,44 @@ class CheckpointStorage(ABC):
         names = [name for name in self._list() if step_of(name) is not None]
         return sorted(names, key=lambda name: step_of(name) or 0, reverse=True)
 
-    def write(self, name: str, files: dict[str, bytes], manifest: bytes) -> None:
-        """Write the files, then the manifest, then make the folder appear under ``name`` in one step."""
+    def write(self, name: str, files: dict[str, FileWriter], make_manifest: ManifestMaker) -> None:
+        """Stream the files, then the manifest describing them, then make the folder appear under ``name``."""
         temporary = f"{TEMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
         try:
-            self._write_folder(temporary, {**files, MANIFEST: manifest})
+            self._make_folder(temporary)
+            described: dict[str, dict[str, Any]] = {}
+            for filename, write_content in files.items():
+                with self._create(temporary, filename) as handle:
+                    checksummed = ChecksumWriter(handle)
+                    try:
+                        write_content(checksummed)  # type: ignore[arg-type] - a write/flush file object
+                    except Exception:
+                        if checksummed.error is not None:
+                            raise checksummed.error from None  # the cause a person can act on
+                        raise
+                described[filename] = checksummed.summary()
+            with self._create(temporary, MANIFEST) as handle:
+                handle.write(make_manifest(described))
             self._commit(temporary, name)
         except OSError as error:
             self._remove_quietly(temporary)
             raise CheckpointError(
                 f"could not write checkpoint {self.describe(name)}: {error.strerror or error}. The previous "
-                f"checkpoints are untouched; free space or fix permissions on {self.location}"
+                f"checkpoints are untouched; {_remedy(error, self.location)}"
             ) from None
 
     def remove_temporaries(self) -> list[str]:
-        """Delete folders left by saves that crashed; they never held a usable checkpoint."""
+        """Delete folders left by saves that crashed; they never held a usable checkpoint, except a
+        checkpoint moved aside to be replaced when the crash came before its replacement was in place."""
         stale = [name for name in self._list() if name.startswith(TEMP_PREFIX)]
+        present = set(self._list())
         for name in stale:
-            self._remove_quietly(name)
+            original = _replaced_name(name)
+            if original is not None and original not in present:
+                self._rename(name, original)
+                present.add(original)
+            else:
+                self._remove_quietly(name)
         return stale
 
     def _remove_quietly(self, name: str) -> None:
@@ -74,16 +137,26 @@ class CheckpointStorage(ABC):
     def _list(self) -> list[str]: ...
 
     @abstractmethod
-    def _write_folder(self, name: str, files: dict[str, bytes]) -> None: ...
+    def _make_folder(self, name: str) -> None: ...
+
+    @abstractmethod
+    def _create(self, name: str, filename: str) -> contextlib.AbstractContextManager[IO[bytes]]:
+        """A new file, durable once the context exits without error."""
 
     @abstractmethod
     def _commit(self, temporary: str, name: str) -> None: ...
+
+    @abstractmethod
+    def _rename(self, name: str, new_name: str) -> None: ...
 
     @abstractmethod
     def read(self, name: str, filename: str) -> bytes: ...
 
     @abstractmethod
     def exists(self, name: str, filename: str) -> bool: ...
+
+    @abstractmethod
+    def has_folder(self, name: str) -> bool: ...
 
     @abstractmethod
     def remove(self, name: str) -> None: ...
@@ -103,27 +176,34 @@ class LocalStorage(CheckpointStorage):
             return []
         return [entry.name for entry in self.root.iterdir() if entry.is_dir()]
 
-    def _write_folder(self, name: str, files: dict[str, bytes]) -> None:
-        folder = self.root / name
-        folder.mkdir(parents=True)
-        for filename, data in files.items():
-            with open(folder / filename, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-        _fsync_dir(folder)
+    def _make_folder(self, name: str) -> None:
+        (self.root / name).mkdir(parents=True)
+
+    @contextlib.contextmanager
+    def _create(self, name: str, filename: str) -> Iterator[IO[bytes]]:
+        with open(self.root / name / filename, "xb") as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
 
     def _commit(self, temporary: str, name: str) -> None:
+        _fsync_dir(self.root / temporary)  # its entries first, or the renamed folder may come back empty
         final = self.root / name
         if final.exists():
-            # Only a broken checkpoint of the same step can be here (the manager never saves a step
-            # twice); move it aside first because rename() cannot replace a non-empty folder.
-            aside = self.root / f"{TEMP_PREFIX}replaced-{name}-{uuid.uuid4().hex[:8]}"
-            os.rename(final, aside)
+            # A checkpoint of the same step is there (a broken one, or one from before a --resume PATH
+            # to an older step). rename() cannot replace a non-empty folder, so it is moved aside
+            # first; remove_temporaries() puts it back if a crash comes before the new one is in place.
+            aside = f"{REPLACED_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
+            os.rename(final, self.root / aside)
             os.rename(self.root / temporary, final)
-            shutil.rmtree(aside, ignore_errors=True)
+            _fsync_dir(self.root)
+            shutil.rmtree(self.root / aside, ignore_errors=True)
         else:
             os.rename(self.root / temporary, final)
+            _fsync_dir(self.root)
+
+    def _rename(self, name: str, new_name: str) -> None:
+        os.rename(self.root / name, self.root / new_name)
         _fsync_dir(self.root)
 
     def read(self, name: str, filename: str) -> bytes:
@@ -132,8 +212,16 @@ class LocalStorage(CheckpointStorage):
     def exists(self, name: str, filename: str) -> bool:
         return (self.root / name / filename).is_file()
 
+    def has_folder(self, name: str) -> bool:
+        return (self.root / name).is_dir()
+
     def remove(self, name: str) -> None:
-        shutil.rmtree(self.root / name)
+        # Renamed out of sight first: a crash halfway through rmtree must not leave a step folder that
+        # has lost its state file but kept its manifest.
+        doomed = name if name.startswith(TEMP_PREFIX) else f"{TEMP_PREFIX}removed-{name}-{uuid.uuid4().hex[:8]}"
+        if doomed != name:
+            os.rename(self.root / name, self.root / doomed)
+        shutil.rmtree(self.root / doomed)
 
     def check_writable(self) -> None:
         try:
@@ -141,6 +229,9 @@ class LocalStorage(CheckpointStorage):
             probe = self.root / f"{TEMP_PREFIX}probe-{uuid.uuid4().hex[:8]}"
             probe.write_bytes(b"ok")
             probe.unlink()
+        except (FileExistsError, NotADirectoryError):
+            raise CheckpointError(f"checkpoint folder {self.root} cannot be created: a file is in the way on that "
+                                  f"path; choose another --checkpoint-dir or move the file") from None
         except OSError as error:
             raise CheckpointError(
                 f"checkpoint folder {self.root} is not writable ({error.strerror or error}); "
@@ -149,8 +240,8 @@ class LocalStorage(CheckpointStorage):
 
 
 class FsspecStorage(CheckpointStorage):
-    """Object stores have no atomic folder rename: the manifest, written last and checked against the
-    files' checksums, is what commits a checkpoint there."""
+    """Object stores have no atomic folder rename: the manifest, moved last and checked against the
+    files' sizes and checksums, is what commits a checkpoint there."""
 
     def __init__(self, location: str) -> None:
         super().__init__(location)
@@ -174,23 +265,37 @@ class FsspecStorage(CheckpointStorage):
         entries = self.fs.ls(self.root, detail=True)
         return [entry["name"].rstrip("/").rsplit("/", 1)[-1] for entry in entries if entry["type"] == "directory"]
 
-    def _write_folder(self, name: str, files: dict[str, bytes]) -> None:
+    def _make_folder(self, name: str) -> None:
         self.fs.makedirs(self._path(name), exist_ok=True)
-        for filename, data in files.items():
-            self.fs.pipe_file(self._path(name, filename), data)
+
+    def _create(self, name: str, filename: str) -> contextlib.AbstractContextManager[IO[bytes]]:
+        return self.fs.open(self._path(name, filename), "wb")  # an upload is complete once closed
 
     def _commit(self, temporary: str, name: str) -> None:
         if self.fs.exists(self._path(name)):
             self.fs.rm(self._path(name), recursive=True)
-        self.fs.mv(self._path(temporary), self._path(name), recursive=True)
+        self._rename(temporary, name)
+
+    def _rename(self, name: str, new_name: str) -> None:
+        # A move is a copy per object: the manifest goes last, so a half-moved folder has none.
+        paths = sorted(self.fs.ls(self._path(name), detail=False), key=lambda path: path.endswith(f"/{MANIFEST}"))
+        for path in paths:
+            self.fs.mv(path, self._path(new_name, path.rsplit("/", 1)[-1]))
+        self.fs.rm(self._path(name), recursive=True)
 
     def read(self, name: str, filename: str) -> bytes:
         return self.fs.cat_file(self._path(name, filename))
 
     def exists(self, name: str, filename: str) -> bool:
-        return self.fs.exists(self._path(name, filename))
+        return self.fs.isfile(self._path(name, filename))
+
+    def has_folder(self, name: str) -> bool:
+        return self.fs.isdir(self._path(name))
 
     def remove(self, name: str) -> None:
+        # The manifest first: a half-removed folder is then never taken for a checkpoint.
+        if self.fs.isfile(self._path(name, MANIFEST)):
+            self.fs.rm(self._path(name, MANIFEST))
         self.fs.rm(self._path(name), recursive=True)
 
     def check_writable(self) -> None:
@@ -199,10 +304,24 @@ class FsspecStorage(CheckpointStorage):
             self.fs.makedirs(self.root, exist_ok=True)
             self.fs.pipe_file(probe, b"ok")
             self.fs.rm(probe)
-        except Exception as error:  # fsspec backends raise their own exception types
+        except Exception as error:  # noqa: BLE001 - fsspec backends raise their own exception types
             raise CheckpointError(
                 f"checkpoint location {self.location} is not writable ({error}); check the URL and credentials"
             ) from None
+
+
+def _replaced_name(name: str) -> str | None:
+    """``step-N`` for a ``.tmp-replaced-step-N-<id>`` folder, else None."""
+    if not name.startswith(REPLACED_PREFIX):
+        return None
+    original = name.removeprefix(REPLACED_PREFIX).rsplit("-", 1)[0]
+    return original if step_of(original) is not None else None
+
+
+def _remedy(error: OSError, location: str) -> str:
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"free space on {location}, lower --keep-last, or choose another --checkpoint-dir"
+    return f"fix permissions on {location} or choose another --checkpoint-dir"
 
 
 def _fsync_dir(path: Path) -> None:
