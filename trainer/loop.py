@@ -109,8 +109,12 @@ class Trainer:
                           state["world_size"], identity.world_size, self.position.samples_in_epoch,
                           self.position.epoch + 1)
         self.resumed_from = loaded.location
-        self.log.info("resumed from %s: epoch %d, step %d, %d samples into the epoch", loaded.location,
-                      self.position.epoch + 1, self.position.step, self.position.samples_in_epoch)
+        if self.position.epoch >= self.config.train.epochs:
+            self.log.info("resumed from %s: all %d epochs are done (step %d); evaluating only", loaded.location,
+                          self.config.train.epochs, self.position.step)
+        else:
+            self.log.info("resumed from %s: epoch %d, step %d, %d samples into the epoch", loaded.location,
+                          self.position.epoch + 1, self.position.step, self.position.samples_in_epoch)
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def save_checkpoint(self, test_accuracy: float | None = None) -> None:
