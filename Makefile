@@ -9,7 +9,7 @@ NPROC ?= 2
 EPOCHS ?= 3
 TRAIN_ARGS ?=
 
-.PHONY: help venv data train test test-fast lint doctor clean
+.PHONY: help venv data train test test-fast lint doctor clean torchx-test
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
@@ -43,6 +43,18 @@ test: venv ## lint, then the whole test suite (Docker tests run where an engine 
 
 lint: venv ## ruff over the code
 	$(BIN)/ruff check .
+
+torchx-test: venv ## TorchX: component linter, Kubernetes dry runs, real local_cwd jobs (1x2, 2x2, a killed worker)
+	$(BIN)/pytest -q tests/test_torchx.py
+
+# Benchmarks (bench/): ratios measured in one invocation; timings are reported, never asserted.
+.PHONY: bench bench-quick
+
+bench: venv data ## benchmark suite, full run (under 15 min on 2 cores): table, JSON, plots in bench/results/
+	$(BIN)/python -m bench.run
+
+bench-quick: venv data ## benchmark suite, quick mode for CI (2-3 min): bench/results/raw/quick/
+	$(BIN)/python -m bench.run --quick
 
 doctor: venv ## preflight of every collective with $(NPROC) local ranks
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(NPROC) -m trainer.doctor

