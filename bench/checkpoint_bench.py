@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.checkpoint import CheckpointManager
+from trainer.checkpoint.storage import fsync_dir
 from trainer.config import CheckpointConfig, DistConfig
 from trainer.distributed import Runtime, destroy_process_group, init_process_group
 from trainer.env import identity_from_env
@@ -53,14 +54,6 @@ def training_state(model_name: str) -> dict[str, Any]:
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "position": {"step": 1}}
 
 
-def _fsync_dir(folder: Path) -> None:
-    descriptor = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
 def _timed(action: Callable[[], object]) -> float:
     started = time.perf_counter()
     action()
@@ -73,7 +66,7 @@ def _raw_write(folder: Path, data: bytes) -> None:
         handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
-    _fsync_dir(folder)
+    fsync_dir(folder)
     path.unlink()
 
 

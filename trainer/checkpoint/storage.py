@@ -187,7 +187,7 @@ class LocalStorage(CheckpointStorage):
             os.fsync(handle.fileno())
 
     def _commit(self, temporary: str, name: str) -> None:
-        _fsync_dir(self.root / temporary)  # its entries first, or the renamed folder may come back empty
+        fsync_dir(self.root / temporary)  # its entries first, or the renamed folder may come back empty
         final = self.root / name
         if final.exists():
             # A checkpoint of the same step is there (a broken one, or one from before a --resume PATH
@@ -196,15 +196,15 @@ class LocalStorage(CheckpointStorage):
             aside = f"{REPLACED_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
             os.rename(final, self.root / aside)
             os.rename(self.root / temporary, final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
             shutil.rmtree(self.root / aside, ignore_errors=True)
         else:
             os.rename(self.root / temporary, final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
 
     def _rename(self, name: str, new_name: str) -> None:
         os.rename(self.root / name, self.root / new_name)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
     def read(self, name: str, filename: str) -> bytes:
         return (self.root / name / filename).read_bytes()
@@ -324,7 +324,7 @@ def _remedy(error: OSError, location: str) -> str:
     return f"fix permissions on {location} or choose another --checkpoint-dir"
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)
