@@ -33,11 +33,17 @@ def main() -> int:
         with process_group(config.dist, identity, torch.device("cpu")) as runtime:
             train, test, info = load_datasets(config.data, runtime)
     except UserError as error:
-        print(f"{prefix} error: {error}", flush=True)
+        say(f"{prefix} error: {error}")
         return error.exit_code
-    print(f"{prefix} loaded {info.name}: {len(train)} train, {len(test)} test, "
-          f"label sum {int(train.labels.sum())}", flush=True)
+    say(f"{prefix} loaded {info.name}: {len(train)} train, {len(test)} test, label sum {int(train.labels.sum())}")
     return 0
+
+
+def say(line: str) -> None:
+    """One write per line: both ranks share torchrun's stdout, and print() writes the text and the newline
+    separately, so under load another rank's line could land between them."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

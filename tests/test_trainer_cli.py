@@ -67,7 +67,7 @@ def test_evaluation_counts_each_test_sample_once_for_any_world_size(tmp_path):
 @pytest.mark.slow
 def test_two_plain_env_ranks_report_metrics_tensorboard_and_rank_tagged_logs(tmp_path):
     args = [*TINY, "--precision", "bf16", "--log-every", "2", "--tensorboard", "--progress", "on", "--sync-bn",
-            "--output-dir", str(tmp_path)]
+            "--synthetic-train-size", "640", "--lr", "0.003", "--output-dir", str(tmp_path)]
     results = env_ranks(args, world_size=2)
     for rank, result in enumerate(results):
         assert result.returncode == 0, result.stderr[-2000:]
@@ -82,7 +82,7 @@ def test_two_plain_env_ranks_report_metrics_tensorboard_and_rank_tagged_logs(tmp
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     result = summary(tmp_path)
     assert [r["rank"] for r in result["ranks"]] == [0, 1] and result["ranks"][0]["launcher"] == "env"
-    assert result["test_accuracy"] > 0.3  # ten classes: well above chance after one bf16 epoch
+    assert result["test_accuracy"] > 0.3  # ten classes: well above chance after 20 bf16 steps (0.76 seen)
     assert (tmp_path / "config.yaml").read_text().count("precision: bf16") == 1
 
 
