@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from trainer.config import DistConfig
 from trainer.env import DistIdentity
-from trainer.errors import DeviceError, RendezvousError
+from trainer.errors import DeviceError, RendezvousError, first_line
 
 T = TypeVar("T")
 
@@ -131,7 +131,7 @@ def _store(identity: DistIdentity, config: DistConfig) -> dist.Store:
     except (RuntimeError, OSError) as error:
         raise RendezvousError(
             f"rank {identity.rank} could not open the store at {identity.master_addr}:{identity.master_port}: "
-            f"{_first_line(error)}. Check MASTER_ADDR/MASTER_PORT (rank 0 must be able to listen on that port, "
+            f"{first_line(error)}. Check MASTER_ADDR/MASTER_PORT (rank 0 must be able to listen on that port, "
             f"the others to reach it) and raise --rendezvous-timeout-s if ranks start far apart"
         ) from None
 
@@ -176,10 +176,6 @@ def _fresh_store(agent_store: dist.TCPStore, identity: DistIdentity, config: Dis
                 f"check that rank 0 started and that its host accepts connections on any port"
             )
         time.sleep(0.2)
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def destroy_process_group() -> None:

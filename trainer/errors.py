@@ -15,6 +15,11 @@ EXIT_PREEMPTED = 143  # SIGTERM received, checkpoint written: retry (128 + SIGTE
 EXIT_PEER_LOST = 200  # another rank died or vanished mid-training: retry from the last checkpoint
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message (collective and store errors run to pages), or its type."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
 class UserError(Exception):
     """A problem with the input that a person can fix; printed as one line, no traceback."""
 

@@ -20,7 +20,7 @@ from trainer.checkpoint import CheckpointManager, LoadedCheckpoint
 from trainer.checkpoint.state import restore_rng
 from trainer.config import Config
 from trainer.distributed import Runtime
-from trainer.errors import CheckpointError, Preempted
+from trainer.errors import CheckpointError, Preempted, first_line
 from trainer.gradsync import broadcast_buffers, unwrap
 from trainer.position import TrainingPosition
 from trainer.preemption import PreemptionWatcher
@@ -90,10 +90,9 @@ class Trainer:
             unwrap(self.setup.model).load_state_dict(state["model"])
             self.setup.optimizer.load_state_dict(state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as error:
-            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise CheckpointError(
-                f"checkpoint {loaded.location} does not fit this model ({first}); it was written with a different "
-                f"dataset or model configuration: use another --checkpoint-dir or --resume none"
+                f"checkpoint {loaded.location} does not fit this model ({first_line(error)}); it was written with a "
+                f"different dataset or model configuration: use another --checkpoint-dir or --resume none"
             ) from None
         self.setup.scaler.load_state_dict(state["scaler"])
         self.position = TrainingPosition.from_dict(state["position"])

@@ -24,7 +24,7 @@ from trainer.cli import dump_yaml, parse_config
 from trainer.config import Config
 from trainer.distributed import Runtime, choose_device, gather_to_main, process_group, threads_per_rank
 from trainer.env import identity_from_env
-from trainer.errors import EXIT_OK, EXIT_PEER_LOST, EXIT_PREEMPTED, Preempted, UserError
+from trainer.errors import EXIT_OK, EXIT_PEER_LOST, EXIT_PREEMPTED, Preempted, UserError, first_line
 from trainer.loop import Trainer
 from trainer.preemption import PreemptionWatcher
 from trainer.report import final_line, setup_logging, write_summary
@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
         return error.exit_code
     except RuntimeError as error:
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        first = first_line(error)
         if not (isinstance(error, torch.distributed.DistError) or PEER_LOST.search(first)):
             raise
         print(f"[rank {rank}] error: lost contact with another rank ({first[:300]}); it probably crashed or "
