@@ -10,7 +10,10 @@ Needs root (unshare), as CI has. In each pod:
   process's ids; ``allowPrivilegeEscalation: false`` sets no_new_privs, and no capability is left but
   reading any file (see ``_exec``);
 * the command is found on PATH: the given bin folder (the venv, where the image has /opt/venv/bin),
-  then the system's.
+  then the system's;
+* what stands in for the image (this checkout, its venv and the Python installation) stays visible at
+  its own path, read-only, when a volume is mounted over a folder that holds it: a clone under /tmp
+  would otherwise vanish under the pod's /tmp emptyDir.
 """
 
 from __future__ import annotations
@@ -19,12 +22,20 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 from tests.k8s_pods import Pod, PodResult
 
 SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def image_paths() -> list[Path]:
+    """The folders the pod's command runs from: the checkout (installed editable), the venv, Python itself."""
+    folders = {Path(folder) for folder in (REPO_ROOT, sys.prefix, sys.base_prefix)}
+    return sorted(folders | {folder.resolve() for folder in folders})
 
 
 def run_processes(pods: list[Pod], workdir: Path, bin_dir: Path, timeout_s: float) -> list[PodResult]:
@@ -61,14 +72,26 @@ def run_processes(pods: list[Pod], workdir: Path, bin_dir: Path, timeout_s: floa
 def _script(pod: Pod, hosts: Path, layers: Path, bin_dir: Path) -> list[list[str]]:
     overlaid, lines = _mount_points([mount.target for mount in pod.mounts], layers)
     lines = [["set", "-eu"], ["hostname", pod.name], *lines, ["mount", "--bind", str(hosts), "/etc/hosts"]]
-    for mount in pod.mounts:
+    for index, mount in enumerate(pod.mounts):
+        under = [path for path in image_paths() if path.is_relative_to(mount.target)]
+        hidden = [path for path in under if not any(path != other and path.is_relative_to(other) for other in under)]
+        # A volume that would hide part of the image is mounted aside first, given the image's folders
+        # at their places inside it, then moved over its target with them.
+        where = layers / f"aside-{index}" if hidden else mount.target
+        if hidden:
+            where.mkdir(parents=True)
         if mount.source is None:
-            lines.append(["mount", "-t", "tmpfs", "-o", f"size={mount.tmpfs_bytes},mode=1777", "tmpfs",
-                          str(mount.target)])
-            continue
-        lines.append(["mount", "--bind", str(mount.source), str(mount.target)])
+            lines.append(["mount", "-t", "tmpfs", "-o", f"size={mount.tmpfs_bytes},mode=1777", "tmpfs", str(where)])
+        else:
+            lines.append(["mount", "--bind", str(mount.source), str(where)])
+        for path in hidden:
+            inside = where / path.relative_to(mount.target)
+            lines += [["mkdir", "-p", str(inside)], ["mount", "--bind", str(path), str(inside)],
+                      ["mount", "-o", "remount,bind,ro", str(inside)]]
         if mount.read_only:
-            lines.append(["mount", "-o", "remount,bind,ro", str(mount.target)])
+            lines.append(["mount", "-o", "remount,bind,ro", str(where)])
+        if hidden:
+            lines.append(["mount", "--move", str(where), str(mount.target)])
     if pod.security.get("readOnlyRootFilesystem"):
         # Last: a bind mount made from a read-only mount would be read-only too.
         lines += [["mount", "-o", "remount,bind,ro", str(path)] for path in [Path("/"), *overlaid]]
