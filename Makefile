@@ -45,7 +45,7 @@ lint: venv ## ruff over the code
 	$(BIN)/ruff check .
 
 torchx-test: venv ## TorchX: component linter, Kubernetes dry runs, real local_cwd jobs (1x2, 2x2, a killed worker)
-	$(BIN)/pytest -q tests/test_torchx.py
+	$(BIN)/pytest -q tests/deploy/test_torchx.py
 
 # Benchmarks (bench/): ratios measured in one invocation; timings are reported, never asserted.
 .PHONY: bench bench-quick
@@ -66,7 +66,7 @@ clean: ## remove runs and caches (not the venv)
 .PHONY: k8s-validate kind-up kind-test kind-down
 
 k8s-validate: venv ## render every manifest and overlay; check schemas, operator rules, kind scripts
-	$(BIN)/pytest -q tests/test_k8s_manifests.py tests/test_k8s_operator.py tests/test_k8s_kind.py
+	$(BIN)/pytest -q tests/deploy/test_k8s_manifests.py tests/deploy/test_k8s_operator.py tests/deploy/test_k8s_kind.py
 
 kind-up: ## kind cluster + training operator v1.9.4 + image, then apply k8s/overlays/kind
 	scripts/kind-cluster.sh up
@@ -92,4 +92,4 @@ compose-down: ## remove the compose containers, network and volumes (checkpoints
 	docker compose down --volumes
 
 compose-test: venv ## the image and compose tests, nodes killed included (needs the engine and the image)
-	IMAGE=$(IMAGE) $(BIN)/pytest -q tests/test_docker.py
+	IMAGE=$(IMAGE) $(BIN)/pytest -q tests/deploy/test_docker.py

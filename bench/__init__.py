@@ -1,1 +1,2 @@
-"""Benchmarks, each runnable as ``python -m bench.<name>`` and importable by a suite (``run(quick)``)."""
+"""The benchmark suite, ``python -m bench.run``: figures/ measure one thing each, harness/ launches,
+measures and records, workers/ are the scripts the figures start as processes."""

@@ -15,11 +15,11 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench import (
+from bench.figures import (
     checkpointing,
     input_pipeline,
     launch_latency,
@@ -29,10 +29,10 @@ from bench import (
     sync_methods,
     time_to_accuracy,
 )
-from bench.context import Context
-from bench.measure import describe_machine, load_average
-from bench.plots import make_plots
-from bench.results import FigureResult, markdown_table, read_json, write_json, write_markdown
+from bench.harness.context import Context
+from bench.harness.measure import describe_machine, load_average
+from bench.harness.plots import make_plots
+from bench.harness.results import FigureResult, markdown_table, read_json, write_json, write_markdown
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 QUICK_DIR = RESULTS_DIR / "raw" / "quick"
@@ -60,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out_dir: Path = args.output_dir or (QUICK_DIR if args.quick else RESULTS_DIR)
     selected = args.only or list(FIGURES)
 
-    header: dict[str, Any] = {"quick": args.quick, "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    header: dict[str, Any] = {"quick": args.quick, "started": datetime.now(UTC).isoformat(timespec="seconds"),
                               "command": "python -m bench.run " + " ".join(sys.argv[1:] if argv is None else argv),
                               "machine": describe_machine()}
     figures = _kept_figures(out_dir / "results.json", args.quick, selected)

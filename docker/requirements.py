@@ -11,7 +11,6 @@ editing the code does not reinstall PyTorch; CI downloads the same list into its
 from __future__ import annotations
 
 import sys
-
 import tomllib
 
 

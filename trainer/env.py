@@ -21,6 +21,20 @@ from dataclasses import asdict, dataclass
 from trainer.errors import LaunchEnvError
 
 TORCHRUN_HINT = "start the trainer through torchrun (torchrun --nnodes ... --nproc-per-node ... trainer/main.py)"
+# Every variable this module reads, and the prefixes of families of them: a process started from a
+# launched one (a test, a benchmark, a nested launcher) must not inherit its parent's place in a group.
+LAUNCHER_VARIABLES = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+    "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
+LAUNCHER_PREFIXES = ("PET_",)
+
+
+def without_launcher_variables(environ: Mapping[str, str]) -> dict[str, str]:
+    """environ less every launcher variable: what a process that starts a new group should pass on."""
+    return {name: value for name, value in environ.items()
+            if name not in LAUNCHER_VARIABLES and not name.startswith(LAUNCHER_PREFIXES)}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""The figures of the suite, one module each: TITLE and run(ctx) -> FigureResult."""

@@ -1,0 +1,144 @@
+"""Figure 7: checkpoint saves against the disk's own speed, measured in one run, interleaved, median of N.
+
+For each training state (ResNet-18 + AdamW, about 134 MB; the tutorial ConvNet + AdamW, about 0.4 MB):
+  raw     write + fsync of the very bytes torch.save produces, to the same folder;
+  sync    CheckpointManager.save, synchronous: serialise, checksum, write, fsync, rename, prune;
+  async   CheckpointManager.save with --async-checkpoint: the time training is blocked (snapshot copy),
+          and the whole background write, awaited with finish();
+and, in the details, the pieces that show where the time goes: torch.save into memory, CRC-32 and
+SHA-256 of the bytes, and torch.save to a path (PyTorch's C++ file writer) + fsync.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.harness.context import Context
+from bench.harness.measure import load_average
+from bench.harness.results import FigureResult, Row
+from trainer.checkpoint import CheckpointManager
+from trainer.config import CheckpointConfig, DistConfig
+from trainer.distributed import Runtime, process_group
+from trainer.env import identity_from_env
+from trainer.models import build_model
+
+TITLE = "Checkpointing"
+
+
+def training_state(model_name: str) -> dict[str, Any]:
+    """Model and AdamW state after one step (exp_avg and exp_avg_sq exist), as the trainer saves them."""
+    torch.manual_seed(0)
+    model = build_model(model_name, 3, (32, 32), 10)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    optimizer.step()
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "position": {"step": 1}}
+
+
+def _timed(action: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    action()
+    return time.perf_counter() - started
+
+
+def _fsync(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _raw_write(folder: Path, data: bytes) -> None:
+    """What any durable write of these bytes costs: the file, its contents synced, then its folder entry."""
+    path = folder / "raw.bin"
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    _fsync(folder)
+    path.unlink()
+
+
+def _torch_save_to_path(folder: Path, state: dict[str, Any]) -> None:
+    path = folder / "torch-save.pt"
+    torch.save(state, path)
+    _fsync(path)
+    path.unlink()
+
+
+def measure(name: str, state: dict[str, Any], folder: Path, runtime: Runtime, repeats: int) -> dict[str, Any]:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    data = buffer.getvalue()
+    log = logging.getLogger("checkpoint-bench")
+    sync = CheckpointManager(CheckpointConfig(keep_last=2), str(folder / "sync"), runtime, log)
+    background = CheckpointManager(CheckpointConfig(keep_last=2, async_checkpoint=True), str(folder / "async"),
+                                   runtime, log)
+    for manager in (sync, background):
+        manager.prepare()
+    times: dict[str, list[float]] = {key: [] for key in ("raw_write_fsync", "sync_save", "async_blocked",
+                                                         "async_total", "torch_save_to_memory", "crc32",
+                                                         "sha256", "torch_save_to_path_fsync")}
+    for step in range(1, repeats + 1):  # interleaved: a slow moment of the machine hits every method alike
+        times["raw_write_fsync"].append(_timed(lambda: _raw_write(folder, data)))
+        times["sync_save"].append(_timed(lambda step=step: sync.save(state, {"step": step})))
+        started = time.perf_counter()
+        background.save(state, {"step": step})
+        times["async_blocked"].append(time.perf_counter() - started)
+        background.finish()
+        times["async_total"].append(time.perf_counter() - started)
+        times["torch_save_to_memory"].append(_timed(lambda: torch.save(state, io.BytesIO())))
+        times["crc32"].append(_timed(lambda: zlib.crc32(data)))
+        times["sha256"].append(_timed(lambda: hashlib.sha256(data).digest()))
+        times["torch_save_to_path_fsync"].append(_timed(lambda: _torch_save_to_path(folder, state)))
+    medians = {key: statistics.median(values) for key, values in times.items()}
+    size = len(data)
+    return {
+        "state": name,
+        "bytes": size,
+        "repeats": repeats,
+        "median_s": {key: round(value, 5) for key, value in medians.items()},
+        "gb_per_s": {key: round(size / value / 1e9, 3) for key, value in medians.items()},
+        "save_vs_raw_throughput": round(medians["raw_write_fsync"] / medians["sync_save"], 3),
+        "async_blocked_vs_sync_save": round(medians["async_blocked"] / medians["sync_save"], 3),
+    }
+
+
+def run(ctx: Context) -> FigureResult:
+    load_before = load_average()
+    states, repeats = ctx.pick(["resnet18", "convnet"], ["convnet"]), ctx.pick(7, 3)
+    work = Path(tempfile.mkdtemp(prefix="checkpoint-bench-", dir=ctx.work_dir))
+    try:
+        with process_group(DistConfig(device="cpu"), identity_from_env({}), torch.device("cpu")) as runtime:
+            results = [measure(name, training_state(name), work / name, runtime, repeats) for name in states]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    rows = []
+    for result in results:
+        label = f"{result['state']}, {result['bytes'] / 1e6:.1f} MB"
+        rate, median = result["gb_per_s"], result["median_s"]
+        rows.append(Row(f"save throughput / raw write+fsync of the same bytes ({label})",
+                        result["save_vs_raw_throughput"],
+                        notes=f"save {rate['sync_save']} GB/s, raw {rate['raw_write_fsync']} GB/s, "
+                              f"median of {repeats}"))
+        rows.append(Row(f"asynchronous save's blocked time / synchronous save ({label})",
+                        result["async_blocked_vs_sync_save"],
+                        notes=f"blocked {median['async_blocked'] * 1e3:.1f} ms, sync save "
+                              f"{median['sync_save'] * 1e3:.1f} ms"))
+    details = {"results": results, "torch": str(torch.__version__), "threads": torch.get_num_threads(),
+               "load_average": [load_before, load_average()]}
+    return FigureResult(7, "checkpoint", TITLE, rows, details)

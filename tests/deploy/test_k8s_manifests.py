@@ -1,0 +1,237 @@
+"""The Kubernetes manifests: what kubectl applies, checked against the real APIs and the operator's rules.
+
+Every source is rendered as the cluster would receive it: `kubectl apply -f k8s/`, and `kubectl apply -k`
+on the base, each overlay and the Trainer v2 variant.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+
+from tests.support.k8s_manifests import K8S_DIR, PLAIN_DIR, SOURCES, Obj, config_maps, of_kind, render
+from tests.support.k8s_operator import CONTAINER, PodPlan, admission_errors, pod_plans
+from tests.support.kubeflow_api import CHECKS, api_errors
+from trainer.cli import parse_config
+from trainer.config import Config
+
+# The oldest Kubernetes the training operator v1.9 supports, and the newest schema known offline.
+KUBERNETES_VERSIONS = ("1.28.0", kubernetes_validate.latest_version())
+PYTORCHJOB_SOURCES = tuple(source for source in SOURCES if source != "k8s/trainer-v2")
+# torchrun's agent kills its workers this long after forwarding SIGTERM to them.
+TORCHRUN_SHUTDOWN_S = 30
+
+
+def job_of(source: str) -> Obj:
+    (job,) = of_kind(render(source), "PyTorchJob")
+    return job
+
+
+def trainer_config(source: str, plan: PodPlan, tmp_path: Path) -> Config:
+    """The trainer's config as the pod's command would read it from the mounted ConfigMap."""
+    args = plan.container["args"]
+    mount_path = Path(args[args.index("--config") + 1])
+    volumes = {v["name"]: v for v in plan.template["spec"]["volumes"]}
+    for mount in plan.container["volumeMounts"]:
+        if mount_path.is_relative_to(mount["mountPath"]):
+            config_map = config_maps(render(source))[volumes[mount["name"]]["configMap"]["name"]]
+            text = config_map[str(mount_path.relative_to(mount["mountPath"]))]
+            break
+    else:
+        raise AssertionError(f"--config {mount_path} is on no volume of pod {plan.name}")
+    (tmp_path / "config.yaml").write_text(text)
+    return parse_config(["--config", str(tmp_path / "config.yaml"), *args[args.index("--config") + 2:]])
+
+
+def test_kubectl_apply_on_the_folder_sends_the_job_its_config_and_its_volume():
+    objects = render(PLAIN_DIR)
+    assert sorted((o["kind"], o["metadata"]["name"]) for o in objects) == [
+        ("ConfigMap", "ddp-train-config"), ("PersistentVolumeClaim", "ddp-train-storage"),
+        ("PyTorchJob", "ddp-train")]
+    applied = [p for p in K8S_DIR.iterdir() if p.suffix in (".yaml", ".yml", ".json")]
+    assert len(applied) == len(objects), "each file directly in k8s/ holds one object"
+
+
+def test_the_folder_and_the_kustomize_base_apply_the_same_objects():
+    def key(obj: Obj) -> tuple[str, str]:
+        return obj["kind"], obj["metadata"]["name"]
+    assert sorted(render(PLAIN_DIR), key=key) == sorted(render("k8s/base"), key=key)
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("source", SOURCES)
+def test_every_object_passes_its_schema_strictly(source, version):
+    for obj in render(source):
+        if (obj["apiVersion"], obj["kind"]) in CHECKS:
+            assert api_errors(obj) == [], f"{obj['kind']} {obj['metadata']['name']}"
+        else:
+            kubernetes_validate.validate(obj, version, strict=True)
+
+
+@pytest.mark.parametrize(("kind", "source", "path", "change", "error"), [
+    ("PyTorchJob", "k8s", ("spec",), {"nprocPerNod": "1"}, "spec.nprocPerNod: not a field"),
+    ("PyTorchJob", "k8s", ("spec", "runPolicy"), {"backoffLimit": "3"}, "backoffLimit: '3' has the wrong type"),
+    ("PyTorchJob", "k8s", ("metadata",), {"lables": {}}, "metadata.lables: not a field"),
+    ("TrainJob", "k8s/trainer-v2", ("spec", "trainer"), {"numNode": 2}, "spec.trainer.numNode: not a field"),
+    ("TrainJob", "k8s/trainer-v2", ("spec", "trainer"), {"numNodes": "2"}, "numNodes"),
+])
+def test_a_misspelled_or_mistyped_field_of_a_kubeflow_object_is_an_error(kind, source, path, change, error):
+    (obj,) = of_kind(render(source), kind)
+    target = obj
+    for key in path:
+        target = target[key]
+    target.update(change)
+    assert any(error in problem for problem in api_errors(obj)), api_errors(obj)
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("source", PYTORCHJOB_SOURCES)
+def test_pod_templates_pass_the_kubernetes_pod_schema_strictly(source, version):
+    # The CRD schema stops at the pod template's outline; Kubernetes' own schema checks every field.
+    for rtype, replica in job_of(source)["spec"]["pytorchReplicaSpecs"].items():
+        pod_template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": rtype.lower()},
+                        "template": replica["template"]}
+        kubernetes_validate.validate(pod_template, version, strict=True)
+
+
+@pytest.mark.parametrize("source", PYTORCHJOB_SOURCES)
+def test_training_operator_admits_the_job(source):
+    assert admission_errors(job_of(source)) == []
+
+
+@pytest.mark.parametrize("source", PYTORCHJOB_SOURCES)
+def test_each_pod_runs_a_fixed_number_of_processes_one_per_gpu(source):
+    job = job_of(source)
+    nproc = job["spec"]["nprocPerNode"]
+    assert nproc.isdigit(), f"nprocPerNode {nproc!r}: 'auto' starts one process per host CPU on CPU pods"
+    for plan in pod_plans(job):
+        gpus = plan.container["resources"]["limits"].get("nvidia.com/gpu")
+        assert int(nproc) == (int(gpus) if gpus else 1), plan.name
+
+
+@pytest.mark.parametrize("source", PYTORCHJOB_SOURCES)
+def test_restart_policy_matches_what_the_command_exits_with(source):
+    job = job_of(source)
+    for rtype, replica in job["spec"]["pytorchReplicaSpecs"].items():
+        (container,) = [c for c in replica["template"]["spec"]["containers"] if c["name"] == CONTAINER]
+        if container["command"] == ["ddp-train"]:
+            # The trainer's own codes: 143 after a preemption checkpoint is retried, bad input is not.
+            assert replica["restartPolicy"] == "ExitCode", rtype
+            assert job["spec"]["nprocPerNode"] == "1", "the trainer started directly runs one process per pod"
+        else:
+            # torchrun exits 1 after SIGTERM, whatever its workers did: ExitCode would never retry it.
+            assert container["command"] == ["torchrun"] and replica["restartPolicy"] == "OnFailure", rtype
+
+
+@pytest.mark.parametrize("source", PYTORCHJOB_SOURCES)
+def test_pods_outlive_the_preemption_checkpoint(source, tmp_path):
+    for plan in pod_plans(job_of(source)):
+        grace_s = trainer_config(source, plan, tmp_path).checkpoint.grace_period_s
+        assert grace_s + 10 <= plan.template["spec"]["terminationGracePeriodSeconds"], plan.name
+        if plan.container["command"] == ["torchrun"]:
+            assert grace_s < TORCHRUN_SHUTDOWN_S, plan.name
+
+
+@pytest.mark.parametrize("source", PYTORCHJOB_SOURCES)
+def test_checkpoints_are_on_the_persistent_volume_so_new_pods_resume(source, tmp_path):
+    for plan in pod_plans(job_of(source)):
+        config = trainer_config(source, plan, tmp_path)
+        assert config.checkpoint.resume == "latest"
+        volumes = {v["name"]: v for v in plan.template["spec"]["volumes"]}
+        claim_paths = [m["mountPath"] for m in plan.container["volumeMounts"]
+                       if "persistentVolumeClaim" in volumes[m["name"]] and not m.get("readOnly")]
+        assert any(Path(config.checkpoint_dir).is_relative_to(p) for p in claim_paths), plan.name
+        assert any(Path(config.output.output_dir).is_relative_to(p) for p in claim_paths), plan.name
+
+
+@pytest.mark.parametrize("source", PYTORCHJOB_SOURCES)
+def test_shared_memory_is_memory_backed(source):
+    for plan in pod_plans(job_of(source)):
+        volumes = {v["name"]: v for v in plan.template["spec"]["volumes"]}
+        (shm,) = [m for m in plan.container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+        assert volumes[shm["name"]]["emptyDir"]["medium"] == "Memory", plan.name
+
+
+@pytest.mark.parametrize("source", PYTORCHJOB_SOURCES)
+def test_containers_request_and_limit_cpu_and_memory(source):
+    for plan in pod_plans(job_of(source)):
+        resources = plan.container["resources"]
+        for bound in ("requests", "limits"):
+            assert {"cpu", "memory"} <= set(resources[bound]), f"{plan.name}: {bound}"
+
+
+@pytest.mark.parametrize("source", PYTORCHJOB_SOURCES)
+def test_pods_run_as_a_user_without_privileges(source):
+    for plan in pod_plans(job_of(source)):
+        pod = plan.template["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] > 0
+        assert not any(pod.get(k) for k in ("hostNetwork", "hostPID", "hostIPC")), plan.name
+        assert not any("hostPath" in v for v in pod["volumes"]), plan.name
+        for container in pod["containers"]:
+            security = container["securityContext"]
+            assert security["allowPrivilegeEscalation"] is False and not security.get("privileged")
+            assert security["capabilities"]["drop"] == ["ALL"] and "add" not in security["capabilities"]
+            assert security["readOnlyRootFilesystem"] is True
+
+
+@pytest.mark.parametrize("source", PYTORCHJOB_SOURCES)
+def test_run_policy_bounds_retries_and_cleans_up(source):
+    run_policy = job_of(source)["spec"]["runPolicy"]
+    assert run_policy["backoffLimit"] >= 1
+    assert run_policy["cleanPodPolicy"] in ("Running", "All")
+    assert run_policy["ttlSecondsAfterFinished"] > 0
+
+
+@pytest.mark.parametrize("source", PYTORCHJOB_SOURCES)
+def test_pods_opt_out_of_sidecar_injection(source):
+    for plan in pod_plans(job_of(source)):
+        assert plan.template["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false", plan.name
+
+
+@pytest.mark.parametrize("source", PYTORCHJOB_SOURCES)
+def test_config_map_is_a_valid_trainer_config(source, tmp_path):
+    for plan in pod_plans(job_of(source)):
+        trainer_config(source, plan, tmp_path)
+
+
+@pytest.mark.parametrize("source", ["k8s/overlays/gpu-single-node", "k8s/overlays/gpu-multi-node"])
+def test_gpu_jobs_train_the_cpu_job_on_cuda_with_nccl(source, tmp_path):
+    (gpu_plan, *_), (cpu_plan, *_) = pod_plans(job_of(source)), pod_plans(job_of(PLAIN_DIR))
+    gpu = trainer_config(source, gpu_plan, tmp_path).to_dict()
+    cpu = trainer_config(PLAIN_DIR, cpu_plan, tmp_path).to_dict()
+    assert (gpu["dist"]["device"], gpu["dist"]["backend"]) == ("cuda", "nccl")
+    assert {k: v for k, v in gpu.items() if k != "dist"} == {k: v for k, v in cpu.items() if k != "dist"}
+
+
+def test_elastic_job_joins_a_c10d_rendezvous_that_closes_when_all_workers_are_in():
+    spec = job_of("k8s/overlays/elastic")["spec"]
+    elastic, workers = spec["elasticPolicy"], spec["pytorchReplicaSpecs"]["Worker"]["replicas"]
+    assert "Master" not in spec["pytorchReplicaSpecs"]
+    assert elastic["rdzvBackend"] == "c10d" and elastic["maxRestarts"] >= 1
+    assert elastic["minReplicas"] < workers == elastic["maxReplicas"]
+
+
+def test_kind_job_uses_the_loaded_image_and_volumes_kind_can_provide():
+    objects = render("k8s/overlays/kind")
+    (claim,) = of_kind(objects, "PersistentVolumeClaim")
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    for plan in pod_plans(job_of("k8s/overlays/kind")):
+        assert plan.container["imagePullPolicy"] == "Never", plan.name
+
+
+def test_multi_node_jobs_share_one_volume_across_nodes():
+    for source in ("k8s/base", "k8s/overlays/elastic", "k8s/overlays/gpu-multi-node"):
+        (claim,) = of_kind(render(source), "PersistentVolumeClaim")
+        assert claim["spec"]["accessModes"] == ["ReadWriteMany"], source
+
+
+def test_trainjob_runs_torchrun_in_the_torch_runtime(tmp_path):
+    (trainjob,) = of_kind(render("k8s/trainer-v2"), "TrainJob")
+    trainer = trainjob["spec"]["trainer"]
+    assert trainjob["spec"]["runtimeRef"]["name"] == "torch-distributed"
+    # Trainer v2 sets only PET_* variables: without torchrun the trainer would not know its rank.
+    assert trainer["command"][0] == "torchrun"
+    assert not any(e["name"].startswith("PET_") for e in trainer.get("env", []))
+

@@ -1,0 +1,242 @@
+"""TorchX: `torchx run dist.ddp` and the project's component (torchx_components/train.py) run the trainer unchanged,
+render the Kubernetes job we expect, and restart a killed worker from the newest checkpoint.
+
+Every `torchx` here is the real CLI in a child process, started from the repository root with the
+repository's .torchxconfig, as a user would run it."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from torchx.specs.builders import _create_args_parser
+from torchx.specs.file_linter import get_fn_docstring, validate
+from torchx.specs.finder import get_component
+
+from tests.support.checkpoints import newest_checkpoint, summary
+from tests.support.procs import REPO_ROOT, clean_env, free_port, run
+from torchx_components.train import ddp
+
+COMPONENT = "torchx_components/train.py:ddp"
+VENV_BIN = Path(sys.executable).parent
+# dist.ddp's command runs `torchrun` through bash, so the venv's bin must come first on PATH;
+# TORCHXCONFIG makes TorchX read the repository's config and ignore a ~/.torchxconfig on this machine.
+TORCHX_ENV = {"PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", "TORCHXCONFIG": str(REPO_ROOT / ".torchxconfig")}
+# Real Fashion-MNIST (the Debian package, else the subset shipped in trainer/data): 2048 samples, 1 epoch.
+TRAIN_ARGS = ["--max-train-samples", "2048", "--max-test-samples", "1000", "--batch-size", "32", "--epochs", "1",
+              "--progress", "off", "--no-tensorboard"]
+RUN_TIMEOUT_S = 300
+
+
+def torchx(*args: str) -> subprocess.CompletedProcess[str]:
+    return run([str(VENV_BIN / "torchx"), *args], env=TORCHX_ENV, timeout_s=RUN_TIMEOUT_S)
+
+
+def kubernetes_dry_run(*args: str) -> dict[str, Any]:
+    """The Volcano Job that `torchx run -s kubernetes --dryrun` prints (no cluster, no Docker needed)."""
+    result = torchx("run", "-s", "kubernetes", "--dryrun", *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return yaml.safe_load(result.stdout.split("=== SCHEDULER REQUEST ===", 1)[1])
+
+
+def containers(job: dict[str, Any]) -> list[dict[str, Any]]:
+    return [task["template"]["spec"]["containers"][0] for task in job["spec"]["tasks"]]
+
+
+def torchrun_command(container: dict[str, Any]) -> tuple[dict[str, str], list[str]]:
+    """(torchrun's options, the trainer's command) of a container running `bash -c "torchrun ..."`."""
+    assert container["command"][:2] == ["bash", "-c"]
+    words = shlex.split(container["command"][2])
+    assert words[0] == "torchrun"
+    trainer_at = words.index("-m") if "-m" in words else next(i for i, w in enumerate(words) if w.endswith(".py"))
+    return dict(zip(words[1:trainer_at:2], words[2:trainer_at:2], strict=True)), words[trainer_at:]
+
+
+def assert_trained(result: subprocess.CompletedProcess[str], output_dir: Path, nodes: int) -> dict[str, Any]:
+    """The job succeeded and every rank of every node trained one epoch together, evaluated and checkpointed."""
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Job finished: SUCCEEDED" in result.stderr
+    final = summary(output_dir)
+    world_size = nodes * 2
+    assert final["world_size"] == world_size
+    assert sorted((rank["node_rank"], rank["local_rank"]) for rank in final["ranks"]) == \
+        [(node, local) for node in range(nodes) for local in range(2)]
+    assert {rank["launcher"] for rank in final["ranks"]} == {"torchrun"}
+    assert final["epochs_completed"] == 1 and final["global_step"] == 2048 // (world_size * 32)
+    assert final["test_samples"] == 1000 and final["test_accuracy"] > 0.5, "ten classes: chance is 0.1"
+    assert f"final test accuracy {final['test_accuracy']:.4f}" in result.stderr, "rank 0's result reaches the user"
+    name, manifest, state = newest_checkpoint(output_dir / "checkpoints")
+    assert name == f"step-{final['global_step']:08d}" and manifest["world_size"] == world_size
+    assert "model" in state and "optimizer" in state
+    return final
+
+
+# The component as TorchX sees it: linter, --help, the job it renders.
+
+def test_component_passes_the_torchx_linter_and_documents_every_argument():
+    assert validate(str(REPO_ROOT / COMPONENT.split(":")[0]), "ddp") == []
+    assert get_component(str(REPO_ROOT / COMPONENT)).validation_errors == []
+    _, argument_docs = get_fn_docstring(ddp)
+    undocumented = [name for name, doc in argument_docs.items() if not doc.strip()]
+    assert not undocumented
+    help_text = _create_args_parser(ddp).format_help()
+    assert "--checkpoint_volume" in help_text and "(default: ddp-deploy:latest)" in help_text
+
+
+def test_torchx_help_of_the_component_lists_its_options():
+    result = torchx("run", COMPONENT, "--help")
+    assert result.returncode == 0, result.stderr[-3000:]
+    for option in ("--image", "-j", "--memMB", "--output_dir", "--checkpoint_volume", "--max_restarts",
+                   "--max_retries", "--rdzv_port", "--env"):
+        assert option in result.stdout
+
+
+def test_kubernetes_job_of_the_component_has_the_image_resources_command_and_mounts():
+    job = kubernetes_dry_run("--workspace", "", "-cfg", "queue=default", COMPONENT, "-j", "2x2",
+                             "--checkpoint_volume", "ckpt", "--output_dir", "runs/fmnist", "--max_retries", "3",
+                             "--", "--epochs", "3")
+    assert (job["apiVersion"], job["kind"]) == ("batch.volcano.sh/v1alpha1", "Job")
+    assert job["spec"]["queue"] == "default" and job["spec"]["maxRetry"] == 3
+    tasks = job["spec"]["tasks"]
+    assert len(tasks) == 2
+    for task in tasks:
+        assert task["maxRetry"] == 3
+        assert {"event": "PodFailed", "action": "RestartJob"} in task["policies"]
+    for node, container in enumerate(containers(job)):
+        assert container["image"] == "ddp-deploy:latest"
+        options, trainer = torchrun_command(container)
+        assert (options["--nnodes"], options["--nproc_per_node"], options["--rdzv_backend"]) == ("2", "2", "c10d")
+        rank0_host = "TORCHX_RANK0_HOST" if node == 0 else "VC_TRAINER_0_HOSTS"  # Volcano's name for node 0
+        assert options["--rdzv_endpoint"] == f"${{{rank0_host}:=localhost}}:29500"
+        assert trainer == ["-m", "trainer", "--output-dir", "runs/fmnist", "--epochs", "3"]
+        env = {item["name"]: item["value"] for item in container["env"]}
+        assert env["PET_MAX_RESTARTS"] == "2" and env["PYTHONUNBUFFERED"] == "1"
+        assert container["resources"]["limits"] == {"cpu": "2000m", "memory": "4096M"}
+        assert container["ports"] == [{"containerPort": 29500, "name": "c10d"}]
+        pod = tasks[node]["template"]["spec"]
+        volumes = {volume["name"]: volume for volume in pod["volumes"]}
+        mounts = {mount["mountPath"]: volumes[mount["name"]] for mount in container["volumeMounts"]}
+        assert mounts["/dev/shm"]["emptyDir"] == {"medium": "Memory"}, "DataLoader workers need more than 64 MB"
+        assert mounts["/workspace/runs"]["persistentVolumeClaim"] == {"claimName": "ckpt"}
+        assert pod["restartPolicy"] == "Never"
+
+
+def test_bare_dist_ddp_gets_the_project_image_and_memory_from_the_torchxconfig():
+    job = kubernetes_dry_run("dist.ddp", "-j", "2x2", "--script", "trainer/main.py")  # queue, workspace: config
+    for container in containers(job):
+        assert container["image"] == "ddp-deploy:latest"
+        assert container["resources"]["limits"]["memory"] == "4096M"
+        assert torchrun_command(container)[1] == ["trainer/main.py"]
+
+
+def test_torchx_run_without_a_component_runs_the_project_component():
+    job = kubernetes_dry_run("--", "-j", "2x2", "--", "--epochs", "3")  # the component's flags after `--`
+    for container in containers(job):
+        assert container["image"] == "ddp-deploy:latest"
+        assert torchrun_command(container)[1] == ["-m", "trainer", "--output-dir", "runs/torchx", "--epochs", "3"]
+
+
+def test_image_script_and_restarts_can_be_overridden():
+    role = ddp("--epochs", "1", image="registry.example.com/ddp-deploy:1.0", script="trainer/main.py",
+               max_restarts=0, env={"LOGLEVEL": "INFO"}).roles[0]
+    assert role.image == "registry.example.com/ddp-deploy:1.0"
+    assert role.args[1].endswith("trainer/main.py --output-dir runs/torchx --epochs 1")
+    assert (role.env["PET_MAX_RESTARTS"], role.env["LOGLEVEL"]) == ("0", "INFO")
+
+
+def test_an_output_dir_off_the_checkpoint_volume_is_refused():
+    with pytest.raises(ValueError, match="outside /workspace/runs.*use runs/NAME"):
+        ddp(checkpoint_volume="ckpt", output_dir="/tmp/out")
+    with pytest.raises(ValueError, match="outside /workspace/runs"):
+        ddp(checkpoint_volume="ckpt", output_dir="runs/../elsewhere")
+
+
+def test_the_trainers_own_output_dir_flag_is_refused_for_the_components():
+    with pytest.raises(ValueError, match="set the component's --output_dir"):
+        ddp("--epochs", "1", "--output-dir=/tmp/out")
+
+
+# Real jobs on this machine (local_cwd): every node is a torchrun agent on localhost. Each job gets its own
+# rendezvous port, so that jobs running beside the tests cannot join it.
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_dist_ddp_from_the_repository_root_trains_the_script_unchanged(nodes, tmp_path):
+    # No -s: the .torchxconfig makes local_cwd the default.
+    result = torchx("run", "-cfg", f"log_dir={tmp_path / 'logs'}", "dist.ddp", "-j", f"{nodes}x2",
+                    "--rdzv_port", str(free_port()), "--script", "trainer/main.py",
+                    "--", *TRAIN_ARGS, "--output-dir", str(tmp_path / "out"))
+    assert_trained(result, tmp_path / "out", nodes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_project_component_trains_and_checkpoints(nodes, tmp_path):
+    result = torchx("run", "-s", "local_cwd", "-cfg", f"log_dir={tmp_path / 'logs'}", COMPONENT, "-j", f"{nodes}x2",
+                    "--rdzv_port", str(free_port()), "--output_dir", str(tmp_path / "out"), "--", *TRAIN_ARGS)
+    final = assert_trained(result, tmp_path / "out", nodes)
+    assert final["resumed_from"] is None
+    replica_logs = sorted(tmp_path.glob("logs/torchx/*/trainer/*/combined.log"))
+    assert len(replica_logs) == nodes, "the per-node logs are kept in log_dir"
+
+
+def _descendants(pid: int) -> list[int]:
+    children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True,
+                              check=False).stdout.split()
+    return [grandchild for child in map(int, children) for grandchild in (child, *_descendants(child))]
+
+
+def _worker(torchx_pid: int, rank: int) -> int:
+    """The trainer process with RANK=rank somewhere below the torchx CLI (CLI, bash, torchrun agent, worker)."""
+    for pid in _descendants(torchx_pid):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except FileNotFoundError:
+            continue
+        if f"RANK={rank}".encode() in environ and b"TORCHELASTIC_RUN_ID" in b" ".join(environ):
+            return pid
+    raise AssertionError(f"no trainer process with RANK={rank} below torchx pid {torchx_pid}")
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_restarted_by_torchrun_and_the_job_resumes_from_the_checkpoint(tmp_path):
+    # One node: after a failure only that node's torchrun restarts, so its restart count is the job's.
+    # 512 steps leave time after the first checkpoint (step 20) to kill a worker mid-run.
+    cmd = [str(VENV_BIN / "torchx"), "run", "-cfg", f"log_dir={tmp_path / 'logs'}", COMPONENT, "-j", "1x2",
+           "--output_dir", str(tmp_path / "out"), "--",
+           "--max-train-samples", "4096", "--max-test-samples", "1000", "--batch-size", "8", "--epochs", "2",
+           "--checkpoint-every", "20", "--progress", "off", "--no-tensorboard"]
+    process = subprocess.Popen(cmd, env=clean_env(TORCHX_ENV), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stderr is not None
+        seen = []
+        for line in process.stderr:  # TorchX streams every rank's log here as it is written
+            seen.append(line)
+            if "checkpoint" in line and "written" in line:
+                break
+        else:
+            raise AssertionError("the job ended before its first checkpoint:\n" + "".join(seen[-50:]))
+        os.kill(_worker(process.pid, rank=1), signal.SIGKILL)
+        stdout, rest = process.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if process.poll() is None:
+            process.terminate()  # TorchX stops the job's replicas when it gets SIGTERM
+            process.wait(timeout=60)
+    result = subprocess.CompletedProcess(cmd, process.returncode, stdout, "".join(seen) + rest)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Job finished: SUCCEEDED" in result.stderr
+    final = summary(tmp_path / "out")
+    assert final["resumed_from"] is not None, "the restarted workers loaded the checkpoint"
+    assert [rank["restart_count"] for rank in final["ranks"]] == [1, 1]
+    assert final["world_size"] == 2 and final["epochs_completed"] == 2
+    assert final["global_step"] == 2 * 4096 // (2 * 8) and final["test_accuracy"] > 0.5
+    name, manifest, _ = newest_checkpoint(tmp_path / "out" / "checkpoints")
+    assert name == f"step-{final['global_step']:08d}"

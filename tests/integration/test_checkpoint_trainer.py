@@ -1,0 +1,187 @@
+"""The trainer's checkpoints, seen from the command line: what a checkpoint holds, how broken ones are
+skipped, and the one-line errors for bad inputs (another model, unwritable folder, full disk), none of
+which touches a good checkpoint."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.checkpoint_files import break_checkpoint, checkpoint_bytes
+from tests.support.checkpoints import assert_same_tensors, newest_checkpoint, summary
+from tests.support.procs import run
+from trainer.checkpoint import open_storage, verify
+from trainer.config import Config
+from trainer.errors import EXIT_USAGE
+from trainer.main import main
+from trainer.models import build_model
+
+pytestmark = pytest.mark.slow
+
+# 1 process x 16 samples: 16 steps, a checkpoint every 2.
+COMMON = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "64", "--epochs", "1",
+          "--batch-size", "16", "--progress", "off", "--no-tensorboard", "--checkpoint-every", "2"]
+
+
+def trainer(output_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return run([sys.executable, "-m", "trainer", *COMMON, "--output-dir", str(output_dir), *extra])
+
+
+def final_params(checkpoint_dir: Path) -> dict:
+    name, _, state = newest_checkpoint(checkpoint_dir)
+    assert name == "step-00000016"
+    return {"model": state["model"], "optimizer": state["optimizer"], "position": state["position"]}
+
+
+def error_lines(result: subprocess.CompletedProcess[str]) -> list[str]:
+    """The lines a user reads as the failure: one, with no traceback."""
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    return [line for line in result.stderr.splitlines() if "error:" in line]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One uninterrupted run keeping all 8 checkpoints (steps 2, 4, ..., 16)."""
+    output = tmp_path_factory.mktemp("reference")
+    result = trainer(output, "--keep-last", "10")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return output / "checkpoints"
+
+
+@pytest.fixture
+def checkpoints(reference: Path, tmp_path: Path) -> Path:
+    """A private copy of the reference checkpoints, to break or to resume from."""
+    copy = tmp_path / "checkpoints"
+    shutil.copytree(reference, copy)
+    return copy
+
+
+def test_a_checkpoint_holds_the_full_state_and_its_model_loads_into_a_plain_model(reference):
+    _, manifest, state = newest_checkpoint(reference)
+    assert set(state) == {"model", "optimizer", "scheduler", "scaler", "position", "rng", "config", "world_size",
+                          "versions"}
+    assert state["world_size"] == 1 and len(state["rng"]) == 1 and set(state["rng"][0]) >= {"python", "numpy", "torch"}
+    assert state["position"]["step"] == manifest["step"] == 16 and state["optimizer"]["state"]
+    assert {"torch", "torchvision", "trainer", "python"} <= set(state["versions"])
+    config = Config.from_dict(state["config"])
+    channels, height, width = config.data.synthetic_image_shape()
+    plain = build_model(config.model.model, channels, (height, width), config.data.synthetic_classes)
+    plain.load_state_dict(state["model"], strict=True)  # no "module." prefixes: DDP is not in the checkpoint
+
+
+def test_broken_newer_checkpoints_are_skipped_with_reasons_and_training_resumes_exactly(reference, checkpoints,
+                                                                                         tmp_path):
+    defects = {16: "flipped-bytes", 14: "truncated", 12: "checksum-mismatch", 10: "size-mismatch",
+               8: "missing-manifest", 6: "unparseable-manifest", 4: "pickled-object"}
+    for step, defect in defects.items():
+        break_checkpoint(checkpoints / f"step-{step:08d}", defect, marker=tmp_path / "executed")
+    result = trainer(tmp_path, "--keep-last", "3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    skipped = [line.split("skipping checkpoint ", 1)[1] for line in result.stderr.splitlines() if "skipping" in line]
+    assert [line.split(":", 1)[0].rsplit("/", 1)[1] for line in skipped] == [f"step-{s:08d}" for s in defects]
+    for line, expected in zip(skipped, ["crc32 checksum", "bytes, the manifest says", "crc32 checksum",
+                                        "bytes, the manifest says", "no manifest", "not valid JSON",
+                                        "Unsupported global"], strict=True):
+        assert expected in line, line
+    assert not (tmp_path / "executed").exists(), "loading the checkpoint ran its code"
+    assert summary(tmp_path)["resumed_from"].endswith("step-00000002")
+    assert open_storage(str(checkpoints)).list_checkpoints() == ["step-00000016", "step-00000014", "step-00000012"]
+    assert_same_tensors(final_params(checkpoints), final_params(reference))
+
+
+def test_resume_path_to_a_broken_checkpoint_exits_2_with_one_line(checkpoints, tmp_path):
+    break_checkpoint(checkpoints / "step-00000016", "flipped-bytes")
+    before = checkpoint_bytes(checkpoints)
+    result = trainer(tmp_path, "--resume", str(checkpoints / "step-00000016"))
+    assert result.returncode == EXIT_USAGE
+    [line] = error_lines(result)
+    assert "step-00000016: state.pt does not match the manifest's crc32 checksum" in line and "--resume" in line
+    assert checkpoint_bytes(checkpoints) == before
+
+
+def test_a_checkpoint_of_another_model_exits_2_with_one_line_and_stays(checkpoints, tmp_path):
+    before = checkpoint_bytes(checkpoints)
+    result = trainer(tmp_path, "--model", "lenet")
+    assert result.returncode == EXIT_USAGE
+    [line] = error_lines(result)
+    assert "holds a 'convnet' model but this run trains 'lenet'" in line
+    assert checkpoint_bytes(checkpoints) == before
+
+
+def test_a_file_where_the_checkpoint_folder_should_be_exits_2_at_start(tmp_path):
+    (tmp_path / "checkpoints").write_text("not a folder")
+    result = trainer(tmp_path)
+    assert result.returncode == EXIT_USAGE
+    [line] = error_lines(result)
+    assert "a file is in the way" in line and "--checkpoint-dir" in line
+    assert "epoch 1" not in result.stderr  # refused before training
+
+
+@pytest.fixture
+def mount_point(tmp_path: Path) -> Iterator[Path]:
+    point = tmp_path / "mnt"
+    point.mkdir()
+    yield point
+    subprocess.run(["umount", str(point)], capture_output=True, check=False)
+
+
+def _mount(options: str, point: Path) -> None:
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)], capture_output=True,
+                          text=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root and mount permission): {done.stderr.strip()}")
+
+
+def test_a_read_only_checkpoint_folder_exits_2_at_start(mount_point, tmp_path):
+    _mount("ro,size=1m", mount_point)
+    result = trainer(tmp_path, "--checkpoint-dir", str(mount_point / "checkpoints"))
+    assert result.returncode == EXIT_USAGE
+    [line] = error_lines(result)
+    assert "is not writable (Read-only file system)" in line and "--checkpoint-dir" in line
+
+
+def test_a_full_disk_exits_2_with_one_line_keeping_the_previous_checkpoints(mount_point, tmp_path):
+    _mount("size=1m", mount_point)  # room for two 0.4 MB checkpoints, not three
+    result = trainer(tmp_path, "--checkpoint-dir", str(mount_point), "--keep-last", "3")
+    assert result.returncode == EXIT_USAGE
+    [line] = error_lines(result)
+    assert "could not write checkpoint" in line and "No space left on device" in line and "free space" in line
+    storage = open_storage(str(mount_point))
+    assert storage.list_checkpoints() == ["step-00000004", "step-00000002"]
+    for name in storage.list_checkpoints():
+        verify(storage, name)
+    assert not [path for path in mount_point.iterdir() if path.name.startswith(".tmp-")]
+
+
+def test_an_async_run_stopped_and_resumed_ends_identical_to_a_sync_run(reference, tmp_path):
+    stopped = trainer(tmp_path, "--async-checkpoint", "--max-steps", "6")
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    name, _, _ = newest_checkpoint(tmp_path / "checkpoints")  # the exit waited for the background write
+    assert name == "step-00000006"
+    resumed = trainer(tmp_path, "--async-checkpoint")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert summary(tmp_path)["resumed_from"].endswith("step-00000006")
+    assert_same_tensors(final_params(tmp_path / "checkpoints"), final_params(reference))
+
+
+@pytest.mark.parametrize("scheme", ["memory", "file"])
+def test_an_fsspec_checkpoint_url_keeps_the_last_k_and_resumes_exactly(scheme, reference, tmp_path, monkeypatch):
+    """In this process, so that the memory:// file system is the test's own."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as in the reference run, for bitwise-equal results
+    location = f"memory://ckpt-{uuid.uuid4().hex}" if scheme == "memory" else f"file://{tmp_path}/checkpoints"
+    args = [*COMMON, "--output-dir", str(tmp_path), "--checkpoint-dir", location, "--keep-last", "2"]
+    assert main([*args, "--max-steps", "6"]) == 0
+    assert open_storage(location).list_checkpoints() == ["step-00000006", "step-00000004"]
+    assert main(args) == 0
+    assert summary(tmp_path)["resumed_from"] == f"{location}/step-00000006"
+    storage = open_storage(location)
+    assert storage.list_checkpoints() == ["step-00000016", "step-00000014"]
+    state = verify(storage, "step-00000016").state
+    assert_same_tensors({"model": state["model"], "optimizer": state["optimizer"], "position": state["position"]},
+                        final_params(reference))

@@ -1,0 +1,132 @@
+"""Exact resume: interrupted runs (stopped, preempted with SIGTERM, killed under torchrun --max-restarts)
+end with the very same parameters and optimizer state as one uninterrupted run, bitwise, on CPU."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.checkpoints import assert_same_tensors, newest_checkpoint, summary
+from tests.support.procs import REPO_ROOT, TORCHRUN, clean_env, free_port, torchrun
+from trainer.errors import EXIT_PREEMPTED
+
+pytestmark = pytest.mark.slow
+
+# 2 ranks x 16 samples: 10 steps per epoch, 20 in all; checkpoints every 3 steps land mid-epoch.
+COMMON = ["--dataset", "synthetic", "--synthetic-train-size", "320", "--synthetic-test-size", "64",
+          "--batch-size", "16", "--epochs", "2", "--progress", "off", "--no-tensorboard", "--checkpoint-every", "3",
+          "--log-every", "5"]
+
+
+def run_args(output_dir: Path, *extra: str) -> list[str]:
+    return [*COMMON, "--output-dir", str(output_dir), *extra]
+
+
+def final_state(output_dir: Path) -> dict:
+    _, manifest, state = newest_checkpoint(output_dir / "checkpoints")
+    assert manifest["step"] == 20 and manifest["epoch"] == 2
+    return {"model": state["model"], "optimizer": state["optimizer"], "position": state["position"]}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One uninterrupted run that every interrupted one must reproduce."""
+    output = tmp_path_factory.mktemp("reference")
+    result = torchrun(run_args(output), nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return final_state(output)
+
+
+def test_stopping_and_resuming_twice_mid_epoch_gives_identical_parameters(reference, tmp_path):
+    for stop_at in (7, 14):  # inside epoch 1, then inside epoch 2
+        stopped = torchrun(run_args(tmp_path, "--max-steps", str(stop_at)), nproc=2)
+        assert stopped.returncode == 0, stopped.stderr[-3000:]
+        _, manifest, _ = newest_checkpoint(tmp_path / "checkpoints")
+        assert manifest["step"] == stop_at and manifest["samples_in_epoch"] > 0
+    finished = torchrun(run_args(tmp_path), nproc=2)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert summary(tmp_path)["resumed_from"].endswith("step-00000014")
+    assert_same_tensors(final_state(tmp_path), reference)
+
+
+def _wait_for_checkpoint(checkpoint_dir: Path, process: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Block until the run has committed its first checkpoint (a manifest appears)."""
+    deadline = time.monotonic() + timeout_s
+    while not list(checkpoint_dir.glob("step-*/manifest.json")):
+        assert process.poll() is None, "the run ended before writing a checkpoint"
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.05)
+
+
+def _start_torchrun(output_dir: Path, *torchrun_args: str) -> subprocess.Popen:
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", *torchrun_args, "-m", "trainer", *run_args(output_dir)]
+    return subprocess.Popen(cmd, env=clean_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def test_sigterm_writes_a_checkpoint_exits_retryable_and_resumes_exactly(reference, tmp_path):
+    process = _start_torchrun(tmp_path)
+    _wait_for_checkpoint(tmp_path / "checkpoints", process)
+    process.send_signal(signal.SIGTERM)  # what torchrun receives from Kubernetes or docker stop
+    _, stderr = process.communicate(timeout=120)
+    assert f"exiting with {EXIT_PREEMPTED}" in stderr, stderr[-3000:]
+    name, manifest, _ = newest_checkpoint(tmp_path / "checkpoints")
+    assert 0 < manifest["step"] < 20
+    resumed = torchrun(run_args(tmp_path), nproc=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert summary(tmp_path)["resumed_from"].endswith(name)
+    assert_same_tensors(final_state(tmp_path), reference)
+
+
+def _worker_pid(agent_pid: int, rank: int) -> int:
+    """The torchrun worker with RANK=rank among the agent's children."""
+    for pid in _children(agent_pid):
+        if _rank_of(pid) == rank:
+            return pid
+    raise AssertionError(f"no worker with RANK={rank} under torchrun pid {agent_pid}")
+
+
+def test_a_killed_rank_is_restarted_by_torchrun_and_the_job_ends_identical(reference, tmp_path):
+    process = _start_torchrun(tmp_path, "--max-restarts=2")
+    _wait_for_checkpoint(tmp_path / "checkpoints", process)
+    os.kill(_worker_pid(process.pid, rank=1), signal.SIGKILL)
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr[-3000:]
+    assert "resumed from" in stderr
+    assert summary(tmp_path)["resumed_from"] is not None
+    assert_same_tensors(final_state(tmp_path), reference)
+
+
+def test_a_killed_rank_on_one_of_two_nodes_restarts_both_nodes_and_the_job_ends_identical(reference, tmp_path):
+    """Two torchrun agents (nodes) with c10d rendezvous: node 1's worker dies, node 1 counts a restart and
+    node 0 only sees a new round; the restarted ranks must still find each other (not old addresses)."""
+    port = free_port()
+    agents = [subprocess.Popen(
+        [*TORCHRUN, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+         "--rdzv-id=two-nodes", "--max-restarts=2", "-m", "trainer", *run_args(tmp_path)],
+        env=clean_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True) for _ in range(2)]
+    _wait_for_checkpoint(tmp_path / "checkpoints", agents[0])
+    killed = next(pid for agent in agents for pid in _children(agent.pid) if _rank_of(pid) == 1)
+    os.kill(killed, signal.SIGKILL)
+    outputs = [agent.communicate(timeout=300) for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    assert summary(tmp_path)["resumed_from"] is not None
+    assert_same_tensors(final_state(tmp_path), reference)
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True, check=True).stdout
+    return [int(child) for child in out.split()]
+
+
+def _rank_of(pid: int) -> int | None:
+    for entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+        if entry.startswith(b"RANK="):
+            return int(entry[5:])
+    return None

@@ -1,0 +1,144 @@
+"""The trainer as users start it: every entry point, seeding, evaluation, reporting, and the one-line
+errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.checkpoints import newest_checkpoint, summary
+from tests.support.procs import REPO_ROOT, clean_env, env_ranks, free_port, run, torchrun
+from trainer.errors import EXIT_PEER_LOST, EXIT_RENDEZVOUS, EXIT_USAGE
+
+TINY = ["--dataset", "synthetic", "--synthetic-train-size", "192", "--synthetic-test-size", "67", "--batch-size",
+        "16", "--epochs", "1", "--progress", "off", "--no-tensorboard"]
+PYTHON = sys.executable
+
+
+def model_of(output: Path) -> dict[str, torch.Tensor]:
+    return newest_checkpoint(output / "checkpoints")[2]["model"]
+
+
+def one_error_line(stderr: str) -> str:
+    lines = [line for line in stderr.strip().splitlines() if line.strip()]
+    assert "Traceback" not in stderr, stderr[-2000:]
+    return lines[-1]
+
+
+@pytest.mark.slow
+def test_module_script_and_console_command_train_the_same_model_for_the_same_seed(tmp_path):
+    as_module = run([PYTHON, "-m", "trainer", *TINY, "--output-dir", str(tmp_path / "a")])
+    as_script = run([PYTHON, str(REPO_ROOT / "trainer" / "main.py"), *TINY, "--output-dir", str(tmp_path / "b")],
+                    cwd=tmp_path)
+    console = run([str(Path(PYTHON).parent / "ddp-train"), *TINY, "--seed", "1", "--output-dir", str(tmp_path / "c")])
+    for result in (as_module, as_script, console):
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.strip().splitlines()[-1].startswith("final test accuracy")
+    same, other = model_of(tmp_path / "a"), model_of(tmp_path / "c")
+    assert all(torch.equal(same[key], value) for key, value in model_of(tmp_path / "b").items())
+    assert not all(torch.equal(same[key], value) for key, value in other.items())
+
+
+@pytest.mark.slow
+def test_evaluation_counts_each_test_sample_once_for_any_world_size(tmp_path):
+    trained = run([PYTHON, "-m", "trainer", *TINY, "--output-dir", str(tmp_path / "w1")])
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    checkpoint = tmp_path / "w1" / "checkpoints" / newest_checkpoint(tmp_path / "w1" / "checkpoints")[0]
+    reference = summary(tmp_path / "w1")
+    assert reference["test_samples"] == 67
+    for world_size in (2, 3):  # 67 test samples: shards of 34/33 and 23/22/22, no padding
+        output = tmp_path / f"w{world_size}"
+        evaluated = torchrun([*TINY, "--resume", str(checkpoint), "--output-dir", str(output)], nproc=world_size)
+        assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+        result = summary(output)
+        assert result["test_samples"] == 67 and result["world_size"] == world_size
+        assert result["test_accuracy"] == reference["test_accuracy"]
+        assert result["test_loss"] == pytest.approx(reference["test_loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_two_plain_env_ranks_report_metrics_tensorboard_and_rank_tagged_logs(tmp_path):
+    args = [*TINY, "--precision", "bf16", "--log-every", "2", "--tensorboard", "--progress", "on", "--sync-bn",
+            "--synthetic-train-size", "640", "--lr", "0.003", "--output-dir", str(tmp_path)]
+    results = env_ranks(args, world_size=2)
+    for rank, result in enumerate(results):
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert f"[rank {rank}/2]" in result.stderr
+    assert "step/s" in results[0].stderr or "s/step" in results[0].stderr  # tqdm's bar on rank 0 only
+    assert "step/s" not in results[1].stderr and "s/step" not in results[1].stderr
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    test = [r for r in records if r["kind"] == "test"]
+    assert train and {"loss", "accuracy", "lr", "samples_per_s", "epoch"} <= set(train[0])
+    assert test[-1]["samples"] == 67
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    result = summary(tmp_path)
+    assert [r["rank"] for r in result["ranks"]] == [0, 1] and result["ranks"][0]["launcher"] == "env"
+    assert result["test_accuracy"] > 0.3  # ten classes: well above chance after 20 bf16 steps (0.76 seen)
+    assert (tmp_path / "config.yaml").read_text().count("precision: bf16") == 1
+
+
+def test_cuda_requested_on_a_machine_without_it_is_one_clear_error(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    result = run([PYTHON, "-m", "trainer", *TINY, "--device", "cuda", "--output-dir", str(tmp_path)])
+    assert result.returncode == EXIT_USAGE
+    assert "--device cuda but this machine has no CUDA device" in one_error_line(result.stderr)
+
+
+def test_nccl_on_cpu_is_one_clear_error(tmp_path):
+    result = run([PYTHON, "-m", "trainer", *TINY, "--device", "cpu", "--backend", "nccl", "--output-dir",
+                  str(tmp_path)])
+    assert result.returncode == EXIT_USAGE
+    assert "--backend nccl needs CUDA" in one_error_line(result.stderr)
+
+
+def test_inconsistent_launcher_environment_is_one_clear_error(tmp_path):
+    result = run([PYTHON, "-m", "trainer", *TINY, "--output-dir", str(tmp_path)],
+                 env={"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234"})
+    assert result.returncode == EXIT_USAGE
+    assert "RANK=2 is not below WORLD_SIZE=2" in one_error_line(result.stderr)
+
+
+def test_unreachable_master_ends_with_a_message_naming_address_and_port(tmp_path):
+    port = free_port()  # nothing listens there
+    result = run([PYTHON, "-m", "trainer", *TINY, "--rendezvous-timeout-s", "2", "--output-dir", str(tmp_path)],
+                 env={"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    assert result.returncode == EXIT_RENDEZVOUS
+    line = one_error_line(result.stderr)
+    assert f"master 127.0.0.1:{port} not reachable after 2s" in line and "attempts" in line
+
+
+def test_unresolvable_master_host_is_retried_then_named(tmp_path):
+    result = run([PYTHON, "-m", "trainer", *TINY, "--rendezvous-timeout-s", "1", "--output-dir", str(tmp_path)],
+                 env={"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "no-such-host.invalid", "MASTER_PORT": "29500"})
+    assert result.returncode == EXIT_RENDEZVOUS
+    assert "host name 'no-such-host.invalid' does not resolve" in one_error_line(result.stderr)
+
+
+@pytest.mark.slow
+def test_when_a_rank_dies_the_other_exits_retryable_with_one_line_not_a_hang(tmp_path):
+    port = free_port()
+    args = [*TINY, "--synthetic-train-size", "20000", "--checkpoint-every", "5", "--output-dir", str(tmp_path)]
+    procs = [subprocess.Popen([PYTHON, "-m", "trainer", *args], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=clean_env({"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                             "MASTER_PORT": str(port)}))
+             for rank in range(2)]
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "checkpoints").glob("step-*/manifest.json")):
+        assert time.monotonic() < deadline and procs[1].poll() is None, "training never reached a checkpoint"
+        time.sleep(0.05)
+    os.kill(procs[0].pid, signal.SIGKILL)
+    _, stderr = procs[1].communicate(timeout=120)
+    procs[0].communicate()
+    assert procs[1].returncode == EXIT_PEER_LOST, stderr[-2000:]
+    assert "lost contact with another rank" in one_error_line(stderr)

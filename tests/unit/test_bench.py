@@ -1,0 +1,94 @@
+"""The benchmark suite's bookkeeping, on fake figures: no timing is taken or asserted here.
+
+`make bench-quick` (run by CI) exercises the measurements themselves; these tests pin down what a run
+writes: results.json that reads back, results.md with one table row per measurement and the plots it
+references, a failed figure recorded without losing the others, and --only keeping earlier figures.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import run as bench_run
+from bench.harness.context import Context
+from bench.harness.results import FigureResult, Goal, Row, read_json
+
+
+def fake_figures() -> list[FigureResult]:
+    parts = {"forward": 0.03, "backward": 0.05, "sync": 0.0, "optimizer": 0.002, "wall": 0.09,
+             "main_thread_cpu": 0.08, "waiting_for_core": 0.004, "blocked": 0.006}
+    return [
+        FigureResult(1, "scaling", "Scaling efficiency on CPU",
+                     [Row("the trainer: 2 ranks / (2 × 1 process)", 0.85, Goal(">=", 0.9), "note", (0.8, 0.88)),
+                      Row("2 processes that never communicate (ceiling)", 0.93)],
+                     {"step_parts_s": {"single": parts, "ddp": {**parts, "wall": 0.1}}}),
+        FigureResult(5, "accuracy", "Time to accuracy",
+                     [Row("time to 90%: 2 ranks / 1 process", 0.55, Goal("<=", 0.6))],
+                     {"target": 0.9, "curves": {"1 process": [[10.0, 0.85], [20.0, 0.91]],
+                                                "2 ranks": [[6.0, 0.84], [11.0, 0.905]]}}),
+        FigureResult(8, "launch", "Launch latency",
+                     [Row("TorchX local_cwd / bare torchrun hello", None, notes="not measured (torchx missing)")]),
+    ]
+
+
+def header(quick: bool = True) -> dict[str, object]:
+    return {"quick": quick, "started": "2026-01-01T00:00:00+00:00", "duration_s": 12.0, "load_average": "1.0",
+            "command": "python -m bench.run --quick", "machine": {"summary": "a test machine"}}
+
+
+def test_goals_hold_ratios_to_a_bound_in_either_direction():
+    assert Goal(">=", 0.9).met(0.9) and not Goal(">=", 0.9).met(0.89)
+    assert Goal("<=", 0.6).met(0.55) and not Goal("<=", 0.6).met(0.61)
+    assert Row("not measured", None, Goal(">=", 0.9)).met is None
+
+
+def test_saved_results_read_back_with_goals_verdicts_and_spreads(tmp_path):
+    bench_run.save(tmp_path, header(), fake_figures())
+    _, figures = read_json(tmp_path / "results.json")
+    first = figures[0].rows[0]
+    assert (first.ratio, first.goal, first.spread, first.met) == (0.85, Goal(">=", 0.9), (0.8, 0.88), False)
+    raw = json.loads((tmp_path / "results.json").read_text())
+    assert raw["figures"][1]["rows"][0]["met"] is True
+
+
+def test_markdown_has_a_row_per_measurement_and_shows_the_plots_it_wrote(tmp_path):
+    bench_run.save(tmp_path, header(), fake_figures())
+    markdown = (tmp_path / "results.md").read_text()
+    table = [line for line in markdown.splitlines() if line.startswith("| ")]
+    assert len(table) == 1 + 4  # the header and one line per row
+    assert "| 0.850 (0.80–0.88) | ≥ 0.90 | **no** |" in markdown
+    assert "not measured (torchx missing)" in markdown
+    pictures = [line.split("(")[1].rstrip(")") for line in markdown.splitlines() if line.startswith("![")]
+    assert {"summary.png", "scaling.png", "scheduling.png", "step_parts.png", "time_to_accuracy.png"} <= set(pictures)
+    assert all((tmp_path / picture).stat().st_size > 0 for picture in pictures)
+
+
+def test_a_failing_figure_is_recorded_and_the_others_are_still_written(tmp_path, monkeypatch):
+    def broken(ctx: Context) -> FigureResult:
+        raise RuntimeError("no rendezvous")
+
+    def fake(ctx: Context) -> FigureResult:
+        assert ctx.quick
+        return fake_figures()[1]
+
+    monkeypatch.setitem(bench_run.FIGURES, "scaling", ("Scaling efficiency on CPU", broken))
+    monkeypatch.setitem(bench_run.FIGURES, "accuracy", ("Time to accuracy", fake))
+    code = bench_run.main(["--quick", "--only", "scaling", "--only", "accuracy", "--output-dir", str(tmp_path)])
+    assert code == 1
+    _, figures = read_json(tmp_path / "results.json")
+    by_key = {figure.key: figure for figure in figures}
+    assert by_key["scaling"].error == "RuntimeError: no rendezvous"
+    assert by_key["accuracy"].rows[0].ratio == 0.55
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_only_replaces_its_figures_and_keeps_the_others_of_the_same_mode(tmp_path, monkeypatch, quick):
+    bench_run.save(tmp_path, header(quick=True), fake_figures())
+    monkeypatch.setitem(bench_run.FIGURES, "accuracy", ("Time to accuracy", lambda ctx: fake_figures()[1]))
+    args = ["--only", "accuracy", "--output-dir", str(tmp_path)] + (["--quick"] if quick else [])
+    assert bench_run.main(args) == 0
+    _, figures = read_json(tmp_path / "results.json")
+    expected = {"scaling", "accuracy", "launch"} if quick else {"accuracy"}
+    assert {figure.key for figure in figures} == expected

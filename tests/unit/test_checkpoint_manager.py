@@ -1,0 +1,224 @@
+"""CheckpointManager and its storage in one process (world size 1): what is written, what is refused on
+loading and why, what retention keeps, and what asynchronous saving promises."""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Callable, Iterator
+
+import fsspec
+import pytest
+import torch
+
+from tests.support.checkpoint_files import break_checkpoint, checkpoint_bytes
+from trainer.checkpoint import CheckpointManager, open_storage, verify
+from trainer.config import CheckpointConfig, DistConfig
+from trainer.distributed import Runtime, destroy_process_group, init_process_group
+from trainer.env import identity_from_env
+from trainer.errors import CheckpointError
+
+
+@pytest.fixture(scope="module")
+def runtime() -> Iterator[Runtime]:
+    runtime = init_process_group(DistConfig(), identity_from_env({}), torch.device("cpu"))
+    yield runtime
+    destroy_process_group()
+
+
+@pytest.fixture
+def log(caplog: pytest.LogCaptureFixture) -> logging.Logger:
+    caplog.set_level(logging.INFO, logger="checkpoint-test")
+    return logging.getLogger("checkpoint-test")
+
+
+ManagerFactory = Callable[..., CheckpointManager]
+
+
+@pytest.fixture
+def manager_for(runtime: Runtime, log: logging.Logger) -> ManagerFactory:
+    def make(location: str, **config: object) -> CheckpointManager:
+        manager = CheckpointManager(CheckpointConfig(**config), location, runtime, log)  # type: ignore[arg-type]
+        manager.prepare()
+        return manager
+    return make
+
+
+def training_state(step: int) -> dict:
+    return {"model": {"weight": torch.full((64, 64), float(step))}, "position": {"step": step}}
+
+
+def save_steps(manager: CheckpointManager, steps: list[int], accuracy: dict[int, float] | None = None) -> None:
+    for step in steps:
+        extra: dict = {"step": step}
+        if accuracy and step in accuracy:
+            extra["test_accuracy"] = accuracy[step]
+        manager.save(training_state(step), extra)
+    manager.finish()
+
+
+def names(location: str) -> list[str]:
+    return open_storage(location).list_checkpoints()
+
+
+# -- loading: a broken newest checkpoint is reported and skipped ---------------------------------------------
+
+DEFECTS = {
+    "flipped-bytes": "does not match the manifest's crc32 checksum",
+    "truncated": "bytes, the manifest says",
+    "checksum-mismatch": "does not match the manifest's crc32 checksum",
+    "size-mismatch": "bytes, the manifest says",
+    "missing-manifest": "no manifest (the save did not finish)",
+    "unparseable-manifest": "manifest.json is not valid JSON",
+    "manifest-without-checksum": "manifest.json has no 'crc32' entry",
+    "older-format": "format 1, this trainer reads 2",
+    "pickled-object": "does not load with weights_only=True (Unsupported global",
+}
+
+
+@pytest.mark.parametrize("defect", DEFECTS)
+def test_a_broken_newest_checkpoint_is_skipped_with_its_reason_for_the_previous_one(defect, manager_for, tmp_path,
+                                                                                     caplog):
+    manager = manager_for(str(tmp_path))
+    save_steps(manager, [1, 2])
+    break_checkpoint(tmp_path / "step-00000002", defect, marker=tmp_path / "executed")
+    loaded = manager_for(str(tmp_path)).load("latest")
+    assert loaded is not None and loaded.location.endswith("step-00000001")
+    skipped = [record.getMessage() for record in caplog.records if record.getMessage().startswith("skipping")]
+    assert len(skipped) == 1 and "step-00000002: " in skipped[0] and DEFECTS[defect] in skipped[0], skipped
+    assert "\n" not in skipped[0]
+    assert not (tmp_path / "executed").exists(), "loading ran code from the checkpoint"
+
+
+def test_resume_path_to_a_broken_checkpoint_is_one_line_naming_the_reason_and_the_way_out(manager_for, tmp_path):
+    manager = manager_for(str(tmp_path))
+    save_steps(manager, [1, 2])
+    break_checkpoint(tmp_path / "step-00000002", "truncated")
+    with pytest.raises(CheckpointError) as raised:
+        manager.load(str(tmp_path / "step-00000002"))
+    message = str(raised.value)
+    assert "\n" not in message and "bytes, the manifest says" in message and "--resume latest" in message
+
+
+def test_resume_path_that_does_not_exist_says_so(manager_for, tmp_path):
+    with pytest.raises(CheckpointError, match="no such checkpoint folder"):
+        manager_for(str(tmp_path)).load(str(tmp_path / "step-00000007"))
+
+
+def test_no_checkpoint_means_a_fresh_start(manager_for, tmp_path):
+    assert manager_for(str(tmp_path / "empty")).load("latest") is None
+
+
+# -- writing -------------------------------------------------------------------------------------------------
+
+def test_a_save_leaves_exactly_one_committed_folder_whose_manifest_describes_it(manager_for, tmp_path):
+    save_steps(manager_for(str(tmp_path)), [5])
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["step-00000005"]
+    loaded = verify(open_storage(str(tmp_path)), "step-00000005")
+    assert loaded.manifest["step"] == 5
+    assert loaded.manifest["files"]["state.pt"]["bytes"] == (tmp_path / "step-00000005" / "state.pt").stat().st_size
+    assert torch.equal(loaded.state["model"]["weight"], training_state(5)["model"]["weight"])
+    assert set(loaded.state["rng"][0]) >= {"python", "numpy", "torch"} and "torch" in loaded.state["versions"]
+
+
+def test_a_checkpoint_moved_aside_for_replacement_is_put_back_when_the_save_crashed(manager_for, tmp_path):
+    save_steps(manager_for(str(tmp_path)), [3])
+    # What a crash between LocalStorage._commit's two renames leaves: the old one aside, the new one
+    # still under its temporary name.
+    (tmp_path / "step-00000003").rename(tmp_path / ".tmp-replaced-step-00000003-0badc0de")
+    (tmp_path / ".tmp-step-00000003-12345678").mkdir()
+    manager_for(str(tmp_path))
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["step-00000003"]
+    verify(open_storage(str(tmp_path)), "step-00000003")
+
+
+def test_saving_a_step_that_exists_replaces_it(manager_for, tmp_path):
+    save_steps(manager_for(str(tmp_path)), [4])
+    manager = manager_for(str(tmp_path))
+    manager.save({"model": {"weight": torch.ones(2)}}, {"step": 4})
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["step-00000004"]
+    assert torch.equal(verify(open_storage(str(tmp_path)), "step-00000004").state["model"]["weight"], torch.ones(2))
+
+
+# -- retention -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("keep_last", [2, 3])
+def test_keep_last_keeps_the_newest_k(keep_last, manager_for, tmp_path):
+    save_steps(manager_for(str(tmp_path), keep_last=keep_last), [1, 2, 3, 4, 5, 6])
+    assert names(str(tmp_path)) == [f"step-{step:08d}" for step in range(6, 6 - keep_last, -1)]
+
+
+def test_keep_best_also_keeps_the_most_accurate_one(manager_for, tmp_path):
+    manager = manager_for(str(tmp_path), keep_last=2, keep_best=True)
+    save_steps(manager, [1, 2, 3, 4, 5], accuracy={1: 0.5, 2: 0.9, 3: 0.7, 4: 0.6, 5: 0.8})
+    assert names(str(tmp_path)) == ["step-00000005", "step-00000004", "step-00000002"]
+
+
+def test_pruning_keeps_the_newest_even_when_the_best_is_older(manager_for, tmp_path):
+    manager = manager_for(str(tmp_path), keep_last=2, keep_best=True)
+    save_steps(manager, [1, 2, 3], accuracy={1: 0.99, 2: 0.1, 3: 0.2})
+    assert names(str(tmp_path)) == ["step-00000003", "step-00000002", "step-00000001"]
+
+
+def test_broken_later_checkpoints_do_not_count_against_the_good_ones(manager_for, tmp_path):
+    """After resuming past broken newer checkpoints, this run keeps keep_last good fallbacks of its own."""
+    save_steps(manager_for(str(tmp_path)), [1, 2, 3])
+    break_checkpoint(tmp_path / "step-00000003", "flipped-bytes")
+    break_checkpoint(tmp_path / "step-00000002", "flipped-bytes")
+    manager = manager_for(str(tmp_path), keep_last=2)
+    assert manager.load("latest").location.endswith("step-00000001")
+    manager.save(training_state(2), {"step": 2})
+    assert names(str(tmp_path)) == ["step-00000003", "step-00000002", "step-00000001"]
+    manager.save(training_state(3), {"step": 3})
+    assert names(str(tmp_path)) == ["step-00000003", "step-00000002"]
+    for name in names(str(tmp_path)):
+        verify(open_storage(str(tmp_path)), name)
+
+
+# -- fsspec URLs ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("scheme", ["memory", "file"])
+def test_an_fsspec_url_round_trips_with_retention_and_broken_ones_skipped(scheme, manager_for, tmp_path):
+    location = f"memory://ckpt-{uuid.uuid4().hex}" if scheme == "memory" else f"file://{tmp_path}"
+    save_steps(manager_for(location, keep_last=2), [1, 2, 3])
+    assert names(location) == ["step-00000003", "step-00000002"]
+    fs, root = fsspec.core.url_to_fs(location)
+    fs.pipe_file(f"{root}/step-00000003/state.pt", b"not a checkpoint")
+    loaded = manager_for(location).load("latest")
+    assert loaded is not None and loaded.location.endswith("step-00000002")
+    assert torch.equal(loaded.state["model"]["weight"], training_state(2)["model"]["weight"])
+    assert not [path for path in fs.ls(root, detail=False) if "/.tmp-" in path]
+
+
+# -- asynchronous saving -------------------------------------------------------------------------------------
+
+def test_async_save_writes_the_state_as_it_was_when_save_returned(manager_for, tmp_path):
+    manager = manager_for(str(tmp_path), async_checkpoint=True)
+    weight = torch.zeros(256, 256)
+    manager.save({"model": {"weight": weight}}, {"step": 1})
+    weight.add_(1.0)  # training goes on while the background thread writes
+    manager.finish()
+    assert torch.equal(verify(open_storage(str(tmp_path)), "step-00000001").state["model"]["weight"],
+                       torch.zeros(256, 256))
+    assert manager.last_timing.bytes > 0 and manager.last_timing.write_s > 0
+
+
+def test_a_failed_background_write_is_raised_by_finish_and_leaves_good_checkpoints_alone(manager_for, tmp_path):
+    folder = tmp_path / "ckpt"
+    manager = manager_for(str(folder), async_checkpoint=True)
+    save_steps(manager, [1])
+    # The folder goes away and a file takes its place: the next write cannot create its temporary folder.
+    folder.rename(tmp_path / "moved")
+    folder.write_bytes(b"")
+    good = checkpoint_bytes(tmp_path / "moved")
+    manager.save(training_state(2), {"step": 2})
+    with pytest.raises(CheckpointError, match="could not write checkpoint .*step-00000002: Not a directory"):
+        manager.finish()
+    assert checkpoint_bytes(tmp_path / "moved") == good
+
+
+def test_manifest_is_plain_json(manager_for, tmp_path):
+    save_steps(manager_for(str(tmp_path)), [1])
+    manifest = json.loads((tmp_path / "step-00000001" / "manifest.json").read_text())
+    assert manifest["format"] == 2 and set(manifest["files"]["state.pt"]) == {"bytes", "crc32"}

@@ -1,0 +1,42 @@
+"""A process that does nothing but save checkpoints, for tests that kill it mid-save.
+
+``python -m tests.workers.checkpoint_saver DIR STATE_MB``: prepares DIR (clearing crashed saves' leftovers),
+resumes from the newest valid checkpoint, then saves step after step of a STATE_MB state with
+keep_last=2, announcing each on stdout: ``resumed NAME|none``, ``saving STEP``, ``saved STEP SECONDS``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import torch
+
+from trainer.checkpoint import CheckpointManager
+from trainer.config import CheckpointConfig, DistConfig
+from trainer.distributed import process_group
+from trainer.env import identity_from_env
+
+SAVES_AT_MOST = 200  # ends on its own if a test forgets it
+
+
+def main(checkpoint_dir: str, state_mb: int) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    with process_group(DistConfig(), identity_from_env({}), torch.device("cpu")) as runtime:
+        manager = CheckpointManager(CheckpointConfig(keep_last=2), checkpoint_dir, runtime, logging.getLogger("saver"))
+        manager.prepare()
+        loaded = manager.load("latest")
+        print(f"resumed {loaded.location if loaded else 'none'}", flush=True)
+        last_step = loaded.manifest["step"] if loaded else 0
+        weights = torch.randn(state_mb * 2**18)  # float32: 4 bytes each
+        for step in range(last_step + 1, last_step + 1 + SAVES_AT_MOST):
+            weights[0] = step  # each checkpoint's content differs
+            print(f"saving {step}", flush=True)
+            started = time.perf_counter()
+            manager.save({"model": {"weights": weights}}, {"step": step})
+            print(f"saved {step} {time.perf_counter() - started:.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))
