@@ -41,6 +41,10 @@ test: venv ## lint, then the whole test suite (Docker tests run where an engine 
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q -ra $(PYTEST_ARGS)
 
+test-fast: venv ## lint and the quick tests (unit tests and the launchers' file checks; under a minute)
+	$(BIN)/ruff check .
+	$(BIN)/pytest -q -ra -m "not slow and not docker" $(PYTEST_ARGS)
+
 lint: venv ## ruff over the code
 	$(BIN)/ruff check .
 
@@ -63,10 +67,14 @@ clean: ## remove runs and caches (not the venv)
 	rm -rf runs .pytest_cache .ruff_cache
 
 # Kubernetes (k8s/): offline checks here; a kind cluster on a machine with Docker and a registry.
-.PHONY: k8s-validate kind-up kind-test kind-down
+.PHONY: k8s-validate k8s-test kind-up kind-test kind-down
 
-k8s-validate: venv ## render every manifest and overlay; check schemas, operator rules, kind scripts
+k8s-validate: venv ## render every manifest and overlay; check them against the APIs, operator rules, kind scripts
 	$(BIN)/pytest -q tests/deploy/test_k8s_manifests.py tests/deploy/test_k8s_operator.py tests/deploy/test_k8s_kind.py
+
+k8s-test: venv ## k8s-validate, then every PyTorchJob executed: its pods as processes (root) and containers
+	$(BIN)/pytest -q -ra tests/deploy/test_k8s_manifests.py tests/deploy/test_k8s_operator.py \
+	  tests/deploy/test_k8s_kind.py tests/deploy/test_k8s_jobs.py
 
 kind-up: ## kind cluster + training operator v1.9.4 + image, then apply k8s/overlays/kind
 	scripts/kind-cluster.sh up

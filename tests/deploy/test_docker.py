@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from tests.support.checkpoints import newest_checkpoint, summary
+from tests.support.preconditions import unavailable
 from tests.support.procs import REPO_ROOT
 
 pytestmark = pytest.mark.slow
@@ -38,13 +39,6 @@ SHORT_RUN = {"NODES": "2", "RANKS_PER_NODE": "2", "DATASET": "fashion-mnist", "E
 LONG_RUN = {**SHORT_RUN, "EPOCHS": "2", "MAX_TRAIN_SAMPLES": "0", "BATCH_SIZE": "8", "CHECKPOINT_EVERY": "10",
             "RDZV_TIMEOUT_S": "120", "COLLECTIVE_TIMEOUT_S": "120"}
 RUN_TIMEOUT_S = 600
-
-
-def unavailable(reason: str) -> None:
-    """Skip here; fail under CI, which must run every test."""
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{reason}; CI runs `bash .ci/docker-setup.sh` before the tests to provide it")
-    pytest.skip(reason)
 
 
 # --- the Dockerfile ---------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from tests.support.k8s_manifests import config_maps, of_kind, render
 from tests.support.k8s_operator import admission_errors, pod_plans
 from tests.support.k8s_pods import Pod, PodResult, prepare
 from tests.support.k8s_processes import run_processes
+from tests.support.preconditions import unavailable
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +44,7 @@ Runner = Callable[[list[Pod], Path], list[PodResult]]
 
 def as_processes(pods: list[Pod], workdir: Path) -> list[PodResult]:
     if os.geteuid() != 0:
-        pytest.skip("pods run as processes in mount namespaces of their own: root only")
+        unavailable("pods run as processes in mount namespaces of their own: root only")
     if shutil.which("ddp-train", path=str(BIN_DIR)) is None:
         pytest.fail(f"ddp-train is not in {BIN_DIR}: install the project into the venv (make venv)")
     return run_processes(pods, workdir, BIN_DIR, TIMEOUT_S)
@@ -51,10 +52,10 @@ def as_processes(pods: list[Pod], workdir: Path) -> list[PodResult]:
 
 def as_containers(pods: list[Pod], workdir: Path) -> list[PodResult]:
     if shutil.which("docker") is None or docker("info").returncode != 0:
-        pytest.skip("no Docker engine answers (.ci/run starts one)")
+        unavailable("no Docker engine answers (.ci/run starts one)")
     for image in {pod.image for pod in pods}:
         if not image_present(image):
-            pytest.skip(f"image {image} is not built here (.ci/docker-setup.sh builds ddp-deploy:latest)")
+            unavailable(f"image {image} is not built here (.ci/docker-setup.sh builds ddp-deploy:latest)")
     return run_containers(pods, TIMEOUT_S)
 
 

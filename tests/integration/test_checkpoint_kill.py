@@ -9,12 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from tests.support.procs import REPO_ROOT, clean_env
 from trainer.checkpoint import open_storage, verify
-
-pytestmark = pytest.mark.slow
 
 STATE_MB = 32  # large enough that a save takes a good fraction of a second, so kills land inside it
 

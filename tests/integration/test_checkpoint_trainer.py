@@ -15,14 +15,13 @@ import pytest
 
 from tests.support.checkpoint_files import break_checkpoint, checkpoint_bytes
 from tests.support.checkpoints import assert_same_tensors, newest_checkpoint, summary
+from tests.support.preconditions import unavailable
 from tests.support.procs import run
 from trainer.checkpoint import open_storage, verify
 from trainer.config import Config
 from trainer.errors import EXIT_USAGE
 from trainer.main import main
 from trainer.models import build_model
-
-pytestmark = pytest.mark.slow
 
 # 1 process x 16 samples: 16 steps, a checkpoint every 2.
 COMMON = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "64", "--epochs", "1",
@@ -135,7 +134,7 @@ def _mount(options: str, point: Path) -> None:
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)], capture_output=True,
                           text=True, check=False)
     if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root and mount permission): {done.stderr.strip()}")
+        unavailable(f"cannot mount a tmpfs here (needs root and mount permission): {done.stderr.strip()}")
 
 
 def test_a_read_only_checkpoint_folder_exits_2_at_start(mount_point, tmp_path):

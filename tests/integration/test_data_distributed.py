@@ -7,14 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.support.data_files import write_idx_dataset
 from tests.support.procs import REPO_ROOT, clean_env, free_port, torchrun
 from trainer.data.locate import cache_folder
 from trainer.errors import EXIT_USAGE
 
-pytestmark = pytest.mark.slow
 LOADER = "tests.workers.data_load"
 
 

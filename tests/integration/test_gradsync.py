@@ -13,8 +13,6 @@ from tests.support.checkpoints import newest_checkpoint
 from tests.support.procs import run, torchrun
 from trainer.models import build_model
 
-pytestmark = pytest.mark.slow
-
 # LeNet has no BatchNorm, so the loss of a global batch does not depend on how it is split.
 BASE = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "64", "--model",
         "lenet", "--optimizer", "sgd", "--lr", "0.05", "--schedule", "constant", "--epochs", "1", "--max-steps", "6",

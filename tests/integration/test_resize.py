@@ -13,8 +13,6 @@ from tests.support.checkpoints import summary
 from tests.support.procs import run, torchrun
 from trainer.sampler import ResumableDistributedSampler
 
-pytestmark = pytest.mark.slow
-
 SIZE, BATCH, STOP_AT = 240, 8, 6  # 240 divides evenly for 1, 2 and 3 ranks: no padding to discount
 ARGS = ["--dataset", "synthetic", "--synthetic-train-size", str(SIZE), "--synthetic-test-size", "32", "--batch-size",
         str(BATCH), "--epochs", "1", "--seed", "7", "--progress", "off", "--no-tensorboard", "--sample-log"]

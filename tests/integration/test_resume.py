@@ -15,8 +15,6 @@ from tests.support.checkpoints import assert_same_tensors, newest_checkpoint, su
 from tests.support.procs import REPO_ROOT, TORCHRUN, clean_env, free_port, torchrun
 from trainer.errors import EXIT_PREEMPTED
 
-pytestmark = pytest.mark.slow
-
 # 2 ranks x 16 samples: 10 steps per epoch, 20 in all; checkpoints every 3 steps land mid-epoch.
 COMMON = ["--dataset", "synthetic", "--synthetic-train-size", "320", "--synthetic-test-size", "64",
           "--batch-size", "16", "--epochs", "2", "--progress", "off", "--no-tensorboard", "--checkpoint-every", "3",

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.support.data_files import write_idx_dataset
+from tests.support.preconditions import unavailable
 from trainer.config import DataConfig
 from trainer.data import default_data_dir, load_datasets
 from trainer.data.catalog import IDX_FILES
@@ -50,8 +51,9 @@ def test_shipped_subset_is_stratified_and_mixed() -> None:
     assert len(set(train.labels[:50].tolist())) == 10  # --max-train-samples 50 still sees every class
 
 
-@pytest.mark.skipif(not SYSTEM_FASHION_MNIST.is_dir(), reason="needs the Debian package dataset-fashion-mnist")
 def test_shipped_subset_holds_the_first_images_of_each_class_of_the_real_dataset() -> None:
+    if not SYSTEM_FASHION_MNIST.is_dir():
+        unavailable("needs the Debian package dataset-fashion-mnist (make data)")
     full_labels = read_idx(SYSTEM_FASHION_MNIST / "t10k-labels-idx1-ubyte.gz", 1)
     full_images = read_idx(SYSTEM_FASHION_MNIST / "t10k-images-idx3-ubyte.gz", 3)
     keep = np.sort(np.concatenate([np.flatnonzero(full_labels == c)[:100] for c in range(10)]))

@@ -1,0 +1,21 @@
+"""Shared by every test.
+
+Layout: unit/ runs in this process (fast; `make test-fast` with the deploy checks that need no
+process); integration/ starts real ranks with real collectives (marked slow here, by folder);
+deploy/ checks and runs the launchers' files (Compose, Kubernetes, TorchX); support/ holds the
+helpers and workers/ the scripts that tests start as processes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+INTEGRATION = Path(__file__).resolve().parent / "integration"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.is_relative_to(INTEGRATION):
+            item.add_marker(pytest.mark.slow)
