@@ -1,84 +1,114 @@
-"""Everything a run needs, built once from the config: data, loaders, model, optimizer, schedule."""
+"""Everything a run needs, built once from the config and the task: data, loaders, model, optimizer, schedule."""
 
 from __future__ import annotations
 
-import random
+import os
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from trainer.config import Config
-from trainer.data import DatasetInfo, collate_batch, load_datasets
-from trainer.distributed import Runtime
+from trainer.distributed import Runtime, agreed
+from trainer.errors import TaskError
 from trainer.gradsync import GradSync, build_grad_sync
-from trainer.models import build_model
+from trainer.optimizers import build_optimizer
 from trainer.preemption import ignore_stop_signals_in_worker
-from trainer.sampler import ResumableDistributedSampler, ShardSampler
+from trainer.rng import seed_everything
+from trainer.sampler import EVAL_EPOCH, ResumableDistributedSampler, SeededItems, ShardSampler
 from trainer.schedule import LRSchedule
 from trainer.syncbn import convert_sync_batchnorm
+from trainer.task import TaskContext, TaskData, TaskSpec, call_task, check_metrics
+
+MAX_AUTO_WORKERS = 4
 
 
 @dataclass
 class TrainingSetup:
-    info: DatasetInfo
+    spec: TaskSpec
+    task: Any  # the task object, built with its options
+    data: TaskData
     train_sampler: ResumableDistributedSampler
-    train_loader: DataLoader
-    test_loader: DataLoader
+    train_loader: DataLoader[Any]
+    eval_loader: DataLoader[Any]
     model: nn.Module  # what forward is called on (DDP-wrapped, compiled...)
     sync: GradSync
     optimizer: torch.optim.Optimizer
     schedule: LRSchedule
     scaler: torch.amp.GradScaler
     precision: str
+    device: torch.device
 
-    def autocast(self, device: torch.device) -> AbstractContextManager[object]:
+    def autocast(self) -> AbstractContextManager[object]:
         if self.precision == "fp32":
             return nullcontext()
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
-        return torch.autocast(device_type=device.type, dtype=dtype)
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def new_metrics(self) -> dict[str, Any]:
+        """A fresh set of the task's metrics (one per training window set, one for evaluation)."""
+        return check_metrics(self.spec, call_task(self.spec, "metrics", self.task.metrics))
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def build_loader(dataset: Dataset, sampler: torch.utils.data.Sampler[int], batch_size: int, num_workers: int,
-                 seed: int, pin_memory: bool) -> DataLoader:
+def build_loader(dataset: Dataset[Any], sampler: torch.utils.data.Sampler[int], batch_size: int, num_workers: int,
+                 seed: int, pin_memory: bool, collate_fn: Callable[[Any], Any] | None = None) -> DataLoader[Any]:
     # A generator of its own: otherwise every new iterator draws its base seed from the global RNG and
     # a resumed run, which starts iterating at a different time, would diverge from an uninterrupted one.
     generator = torch.Generator()
     generator.manual_seed(seed)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                      collate_fn=collate_batch, pin_memory=pin_memory, generator=generator,
+                      collate_fn=collate_fn, pin_memory=pin_memory, generator=generator,
                       persistent_workers=num_workers > 0,
                       worker_init_fn=ignore_stop_signals_in_worker if num_workers > 0 else None)
 
 
-def build_training(config: Config, runtime: Runtime) -> TrainingSetup:
-    identity, device = runtime.identity, runtime.device
-    train_set, test_set, info = load_datasets(config.data, runtime)
+def loader_workers(setting: str, in_memory: bool, local_world_size: int) -> int:
+    """--num-workers: a number, or auto: none for data in memory, else one per two cores of this rank's share."""
+    if setting != "auto":
+        return int(setting)
+    if in_memory:
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_AUTO_WORKERS, cores // max(1, local_world_size) // 2))
 
-    train_sampler = ResumableDistributedSampler(train_set, identity.world_size, identity.rank, config.train.seed)
+
+def first(dataset: Dataset[Any], count: int) -> Dataset[Any]:
+    """The first count items (all if fewer or count is 0), keeping a batched __getitems__ if there is one."""
+    size = len(dataset)  # type: ignore[arg-type]
+    if not count or count >= size:
+        return dataset
+    head = getattr(dataset, "head", None)
+    return head(count) if callable(head) else Subset(dataset, range(count))
+
+
+def build_training(config: Config, spec: TaskSpec, runtime: Runtime) -> TrainingSetup:
+    identity, device, seed = runtime.identity, runtime.device, config.train.seed
+    task = agreed(runtime, lambda: spec.create(config.task_options), TaskError)
+    data = agreed(runtime, lambda: _task_data(spec, task, TaskContext(runtime, seed)), TaskError)
+    train_set = first(data.train, config.data.max_train_samples)
+    eval_set = first(data.eval, config.data.max_test_samples)
+
+    workers = loader_workers(config.data.num_workers, data.in_memory, identity.local_world_size)
+    train_sampler = ResumableDistributedSampler(train_set, identity.world_size, identity.rank, seed)
     pin = device.type == "cuda"
-    train_loader = build_loader(train_set, train_sampler, config.train.batch_size, config.data.num_workers,
-                                config.train.seed, pin)
-    test_loader = build_loader(test_set, ShardSampler(test_set, identity.world_size, identity.rank),
-                               config.train.eval_batch_size, config.data.num_workers, config.train.seed, pin)
+    train_loader = build_loader(SeededItems(train_set, seed, data.deterministic_items), train_sampler,
+                                config.train.batch_size, workers, seed, pin, data.collate_fn)
+    eval_loader = build_loader(SeededItems(eval_set, seed, data.deterministic_items, epoch_offset=EVAL_EPOCH),
+                               ShardSampler(eval_set, identity.world_size, identity.rank),
+                               config.train.eval_batch_size, workers, seed, pin, data.collate_fn)
 
     # The same seed on every rank gives every rank the same initial weights; then each rank's own
-    # stream for anything random during training (dropout, augmentation).
-    seed_everything(config.train.seed)
-    model = build_model(config.model.model, info.in_channels, info.image_size, info.num_classes)
+    # stream for anything random during training (dropout).
+    seed_everything(seed)
+    model = agreed(runtime, lambda: _task_model(spec, task, data), TaskError)
     if config.model.sync_bn and identity.world_size > 1:
         model = convert_sync_batchnorm(model, device)
     model = model.to(device)
-    seed_everything(config.train.seed + identity.rank)
+    seed_everything(seed + identity.rank)
 
     sync = build_grad_sync(config.train.sync, runtime)
     wrapped = sync.wrap(model)
@@ -86,18 +116,39 @@ def build_training(config: Config, runtime: Runtime) -> TrainingSetup:
         wrapped = torch.compile(wrapped)
 
     base_lr = config.optim.lr * (identity.world_size if config.optim.scale_lr else 1)
-    if config.optim.optimizer == "adamw":
-        optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=base_lr,
-                                                             weight_decay=config.optim.weight_decay)
-    else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=base_lr, momentum=config.optim.momentum,
-                                    weight_decay=config.optim.weight_decay)
-
+    optimizer = build_optimizer(config.optim, model.parameters(), base_lr)
     global_batch = config.train.batch_size * identity.world_size * config.optim.grad_accum_steps
     # The schedule spans all epochs even with --max-steps: a job split into --max-steps segments
     # follows the same schedule as one that runs straight through.
-    total_samples = config.train.epochs * len(train_set)
+    total_samples = config.train.epochs * len(train_set)  # type: ignore[arg-type]
     schedule = LRSchedule(config.optim.schedule, base_lr, config.optim.warmup_steps * global_batch, total_samples)
     scaler = torch.amp.GradScaler(device.type, enabled=config.optim.precision == "fp16")
-    return TrainingSetup(info, train_sampler, train_loader, test_loader, wrapped, sync, optimizer, schedule,
-                         scaler, config.optim.precision)
+    setup = TrainingSetup(spec, task, data, train_sampler, train_loader, eval_loader, wrapped, sync, optimizer,
+                          schedule, scaler, config.optim.precision, device)
+    agreed(runtime, setup.new_metrics, TaskError)  # a metric that cannot be reduced fails now, not at evaluation
+    return setup
+
+
+def _task_data(spec: TaskSpec, task: Any, context: TaskContext) -> TaskData:
+    data = call_task(spec, "datasets", lambda: task.datasets(context))
+    if not isinstance(data, TaskData):
+        raise TaskError(f"task {spec.describe()}: datasets() returned a {type(data).__name__}; return a "
+                        f"trainer.task.TaskData(train=..., eval=...)")
+    for split in ("train", "eval"):
+        dataset = getattr(data, split)
+        if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+            raise TaskError(f"task {spec.describe()}: the {split} dataset ({type(dataset).__name__}) is not map-style: "
+                            f"it needs __len__ and __getitem__ (an IterableDataset cannot be resumed exactly)")
+        size = call_task(spec, f"len of the {split} dataset", lambda dataset=dataset: len(dataset))
+        if size == 0:
+            raise TaskError(f"task {spec.describe()}: the {split} dataset is empty")
+    return data
+
+
+def _task_model(spec: TaskSpec, task: Any, data: TaskData) -> nn.Module:
+    model = call_task(spec, "model", lambda: task.model(data))
+    if not isinstance(model, nn.Module):
+        raise TaskError(f"task {spec.describe()}: model() returned a {type(model).__name__}, not a torch.nn.Module")
+    if not any(parameter.requires_grad for parameter in model.parameters()):
+        raise TaskError(f"task {spec.describe()}: model() returned a module with no trainable parameters")
+    return model

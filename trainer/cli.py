@@ -1,48 +1,136 @@
-"""Command line: one flag per config field, with the field's help; an optional YAML file underneath."""
+"""Command line and config file: one flag per config field and per option of the task, YAML underneath.
+
+Values are taken in this order, each over the one before: the defaults, the YAML file (--config), the
+settings a script passes to trainer.run, then the flags typed. The task is known first (from --task,
+the YAML file or the script), because its options are flags too.
+"""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from trainer.config import SECTIONS, Config
-from trainer.errors import ConfigError
+from trainer.config import DEFAULT_TASK, SECTIONS, Config
+from trainer.errors import ConfigError, TaskError
+from trainer.options import add_flags, build, fields_of, names
+from trainer.task import TaskSpec, resolve
+from trainer.tasks import TASKS
+
+TASK_SECTION = "task"
 
 
-def build_parser(prog: str = "ddp-train") -> argparse.ArgumentParser:
+def build_parser(spec: TaskSpec, prog: str = "ddp-train", task_fixed: bool = False) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
-        description="Data-parallel training on CPU or GPU, under any launcher. "
-        "Flags override values from --config.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Data-parallel training on CPU or GPU, under any launcher. Flags override values from --config.",
     )
     parser.add_argument("--config", default="", help="YAML file of config values (sections or flat keys)")
+    if not task_fixed:
+        parser.add_argument("--task", default=argparse.SUPPRESS,
+                            help=f"what to train: a built-in task ({TASKS.describe()}) or a task class as "
+                                 f"package.module:Class (default: {DEFAULT_TASK})")
     for section, kind in SECTIONS.items():
-        group = parser.add_argument_group(section)
-        for f in dataclasses.fields(kind):
-            flag = "--" + f.name.replace("_", "-")
-            # SUPPRESS: only flags the user typed override the YAML file and the defaults.
-            common: dict[str, Any] = {"dest": f.name, "help": f.metadata["help"], "default": argparse.SUPPRESS}
-            if isinstance(f.default, bool):
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
-            else:
-                group.add_argument(flag, type=type(f.default), choices=f.metadata.get("choices"), **common)
+        add_flags(parser.add_argument_group(section), kind)
+    add_flags(parser.add_argument_group(f"task {spec.describe()}"), spec.options_type)
     return parser
 
 
-def parse_config(argv: Sequence[str] | None = None) -> Config:
-    """Defaults, then the YAML file, then the flags; validated once, as a whole."""
-    args = vars(build_parser().parse_args(argv))
-    config_path = args.pop("config", "")
-    values: dict[str, Any] = load_yaml(config_path) if config_path else {}
-    flat = _flatten(values)
-    flat.update(args)
-    return Config.from_dict(flat)
+def parse_config(argv: Sequence[str] | None = None, task: str | type | None = None,
+                 settings: Mapping[str, Any] | None = None, prog: str = "ddp-train") -> tuple[Config, TaskSpec]:
+    """The validated config and the task it trains; ``task`` fixes the task (a script's own)."""
+    known, _ = _pre_parser(task is not None).parse_known_args(argv)
+    file_values = load_yaml(known.config) if known.config else {}
+    values = _merged(file_values, dict(settings or {}))
+    spec = resolve(_task_source(task, getattr(known, "task", None), values), TASKS)
+    _check_option_names(spec)
+    given = vars(build_parser(spec, prog, task_fixed=task is not None).parse_args(argv))
+    given.pop("config", None)
+    given.pop("task", None)
+    return config_from_values(spec, values, given), spec
+
+
+def config_from_values(spec: TaskSpec, values: Mapping[str, Any], flags: Mapping[str, Any] | None = None) -> Config:
+    """A Config from nested ``{section: {field: value}}`` and/or flat ``{field: value}`` values, then flags."""
+    task_fields = {field.name for field in fields_of(spec.options_type)}
+    owner = {field.name: section for section, kind in SECTIONS.items() for field in fields_of(kind)}
+    owner.update(dict.fromkeys(task_fields, TASK_SECTION))
+    nested: dict[str, dict[str, Any]] = {name: {} for name in [*SECTIONS, TASK_SECTION]}
+    for key, value in values.items():
+        if key == TASK_SECTION:
+            if isinstance(value, Mapping):
+                for inner, inner_value in value.items():
+                    if inner != "name":
+                        _place(nested, owner, inner, inner_value, TASK_SECTION, spec)
+            continue
+        if key in SECTIONS and isinstance(value, Mapping):
+            for inner, inner_value in value.items():
+                _place(nested, owner, inner, inner_value, key, spec)
+        else:
+            _place(nested, owner, key, value, None, spec)
+    for key, value in (flags or {}).items():
+        nested[owner[key]][key] = value
+    sections = {name: build(kind, nested[name], where=f"section {name!r}") for name, kind in SECTIONS.items()}
+    options = build(spec.options_type, nested[TASK_SECTION], where=f"the options of task {spec.describe()}")
+    return Config(task=spec.source, task_options=options, **sections)
+
+
+def _pre_parser(task_fixed: bool) -> argparse.ArgumentParser:
+    """--config and --task alone, read before the full parser exists (the task's options are flags too)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--config", default="")
+    if not task_fixed:
+        parser.add_argument("--task", default=None)
+    return parser
+
+
+def _task_source(fixed: str | type | None, flag: str | None, values: Mapping[str, Any]) -> str | type:
+    named = values.get(TASK_SECTION)
+    in_file = named.get("name") if isinstance(named, Mapping) else named
+    if fixed is not None:
+        if in_file is not None and in_file != fixed and not (isinstance(fixed, type) and in_file == fixed.name):
+            raise ConfigError(f"the config names task {in_file!r}, but this script trains its own task; remove "
+                              f"'task' from the config")
+        return fixed
+    return flag or in_file or DEFAULT_TASK
+
+
+def _check_option_names(spec: TaskSpec) -> None:
+    taken = names(SECTIONS.values()) | {"config", "task", "name"}
+    clashes = sorted({field.name for field in fields_of(spec.options_type)} & taken)
+    if clashes:
+        raise TaskError(f"task {spec.describe()}: option {', '.join(clashes)} has the name of one of the trainer's "
+                        f"own settings; rename it")
+
+
+def _place(nested: dict[str, dict[str, Any]], owner: Mapping[str, str], key: str, value: Any,
+           expected: str | None, spec: TaskSpec) -> None:
+    name = key.replace("-", "_")
+    section = owner.get(name)
+    if section is None or (expected is not None and section != expected):
+        if section is not None:
+            where = "under 'task:'" if section == TASK_SECTION else f"under '{section}:'"
+            raise ConfigError(f"config key {key!r} is in section {expected!r} but belongs {where} (or write it as "
+                              f"a top-level key)")
+        raise ConfigError(f"unknown config key {key!r}; known keys: {', '.join(sorted(owner))} (task "
+                          f"{spec.describe()})")
+    nested[section][name] = value
+
+
+def _merged(file_values: Mapping[str, Any], settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The file's values with the script's settings on top; both may mix sections and flat keys."""
+    merged = dict(file_values)
+    for key, value in settings.items():
+        if key in merged and isinstance(merged[key], Mapping) and isinstance(value, Mapping):
+            merged[key] = {**merged[key], **value}
+        elif key == TASK_SECTION and isinstance(merged.get(key), Mapping) and isinstance(value, str):
+            merged[key] = {**merged[key], "name": value}
+        else:
+            merged[key] = value
+    return merged
 
 
 def load_yaml(path: str) -> dict[str, Any]:
@@ -58,17 +146,6 @@ def load_yaml(path: str) -> dict[str, Any]:
     if not isinstance(loaded, dict):
         raise ConfigError(f"--config {path}: expected a mapping of config keys, got {type(loaded).__name__}")
     return loaded
-
-
-def _flatten(values: dict[str, Any]) -> dict[str, Any]:
-    """Sections to flat keys, keeping a section's name check in Config.from_dict."""
-    flat: dict[str, Any] = {}
-    for key, value in values.items():
-        if key in SECTIONS and isinstance(value, dict):
-            flat[key] = value
-        else:
-            flat[key.replace("-", "_")] = value
-    return flat
 
 
 def dump_yaml(config: Config) -> str:

@@ -10,14 +10,16 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TypeVar
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from trainer.config import DistConfig
 from trainer.env import DistIdentity
-from trainer.errors import DeviceError, RendezvousError, first_line
+from trainer.errors import DeviceError, RendezvousError, UserError, first_line
+
+if TYPE_CHECKING:  # the config's choices come from registries whose modules import this one
+    from trainer.config import DistConfig
 
 T = TypeVar("T")
 
@@ -192,18 +194,55 @@ def process_group(config: DistConfig, identity: DistIdentity, device: torch.devi
         destroy_process_group()
 
 
+def _all_ranks_flag(flag: bool, op: dist.ReduceOp.RedOpType, device: torch.device) -> bool:
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=op)
+    return bool(value.item())
+
+
 def agree(ok: bool, device: torch.device) -> bool:
     """True only if every rank says ok: turns one rank's failure into every rank's clean error, not a hang."""
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    return _all_ranks_flag(ok, dist.ReduceOp.MIN, device)
 
 
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True if at least one rank raised the flag (for example, received SIGTERM)."""
-    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
+    return _all_ranks_flag(flag, dist.ReduceOp.MAX, device)
+
+
+def agreed(runtime: Runtime, step: Callable[[], T], error_type: type[UserError] = UserError) -> T:
+    """Run ``step`` on every rank, then agree: a failure on any rank is raised on every rank.
+
+    A UserError becomes the lowest failing rank's message, on every rank, as ``error_type``. An
+    unexpected exception (a bug, not bad input) keeps its traceback on its own rank; the others raise
+    ``error_type`` naming that rank.
+    """
+    try:
+        value = step()
+    except Exception as error:  # every failure must reach the agreement, or the other ranks hang in it
+        _fail_everywhere(runtime, error, error_type)
+    if runtime.identity.distributed and not agree(True, runtime.device):
+        _fail_everywhere(runtime, None, error_type)
+    return value
+
+
+def _fail_everywhere(runtime: Runtime, error: Exception | None, error_type: type[UserError]) -> NoReturn:
+    if error is not None and not runtime.identity.distributed:
+        raise error
+    if error is not None:
+        agree(False, runtime.device)
+    reports: list[str | None] = [None] * runtime.identity.world_size
+    dist.all_gather_object(reports, None if error is None else _report(error, runtime))
+    if error is not None and not isinstance(error, UserError):
+        raise error
+    raise error_type(next(report for report in reports if report is not None))
+
+
+def _report(error: Exception, runtime: Runtime) -> str:
+    where = f"rank {runtime.identity.rank} on {runtime.identity.hostname}"
+    if isinstance(error, UserError):
+        return f"{error} (seen by {where})"
+    return f"{where} failed: {type(error).__name__}: {error}"
 
 
 def broadcast_from_main(value: T, runtime: Runtime) -> T:

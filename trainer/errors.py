@@ -20,6 +20,22 @@ def first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
+def described(error: BaseException) -> str:
+    """``Type: first line``, for errors that come from code a person wrote (a task, a dataset)."""
+    text = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def user_message(error: UserError) -> str:
+    """The message of a UserError, also when a DataLoader worker raised it: the DataLoader re-raises it in
+    the main process with the worker's traceback as the message, and the last line is the original one."""
+    text = str(error).strip()
+    if "Original Traceback" not in text:
+        return text
+    last = text.splitlines()[-1]
+    return last.split(": ", 1)[1] if last.startswith(f"{type(error).__name__}: ") else last
+
+
 class UserError(Exception):
     """A problem with the input that a person can fix; printed as one line, no traceback."""
 
@@ -50,6 +66,10 @@ class CheckpointError(UserError):
 
 class DeviceError(UserError):
     """The requested device or backend does not exist on this machine."""
+
+
+class TaskError(UserError):
+    """The user's task cannot be imported, lacks a part, or one of its parts failed."""
 
 
 class Preempted(Exception):

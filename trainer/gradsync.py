@@ -16,6 +16,7 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from trainer.distributed import Runtime
 from trainer.errors import ConfigError
+from trainer.registry import Registry
 
 
 class GradSync:
@@ -39,6 +40,8 @@ class GradSync:
 
 
 class DDPSync(GradSync):
+    """PyTorch's DistributedDataParallel: bucketed all-reduces overlapping the backward pass."""
+
     name = "ddp"
 
     def __init__(self, runtime: Runtime, bucket_mb: float = 25.0) -> None:
@@ -101,13 +104,15 @@ class DataParallelSync(GradSync):
         return model
 
 
-SYNC_METHODS: dict[str, type[GradSync]] = {
-    cls.name: cls for cls in (DDPSync, AllReduceSync, ReduceBroadcastSync, DataParallelSync)
-}
+SYNC_METHODS: Registry[type[GradSync]] = Registry("gradient synchronisation method", "--sync")
+SYNC_METHODS.add(DDPSync.name, DDPSync, "DistributedDataParallel, overlapping communication with backward")
+SYNC_METHODS.add(AllReduceSync.name, AllReduceSync, "one all-reduce per parameter after backward")
+SYNC_METHODS.add(ReduceBroadcastSync.name, ReduceBroadcastSync, "reduce to rank 0, then broadcast")
+SYNC_METHODS.add(DataParallelSync.name, DataParallelSync, "one process over all local GPUs (DataParallel)")
 
 
 def build_grad_sync(name: str, runtime: Runtime) -> GradSync:
-    return SYNC_METHODS[name](runtime)
+    return SYNC_METHODS.get(name)(runtime)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

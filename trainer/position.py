@@ -12,7 +12,6 @@ class TrainingPosition:
     step: int = 0  # optimizer steps taken in total
     samples_in_epoch: int = 0  # samples of this epoch's global order consumed by all ranks together
     samples_seen: int = 0  # samples consumed by all ranks since the start of training
-    best_accuracy: float = -1.0  # best test accuracy at an epoch end so far (-1: none yet)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -4,15 +4,25 @@ Global batch ``b`` is the slice ``perm[b*W*B:(b+1)*W*B]`` of the epoch's permuta
 round-robin to the W ranks. The position inside an epoch is therefore one number, the count
 of samples consumed by all ranks together, and it means the same thing for any world size:
 a job resumed with more or fewer ranks continues at the same place of the same order.
+
+The samplers yield keys, not indices: ``epoch * len(dataset) + index``. ``SeededItems`` decodes a key
+and seeds the random generators from (seed, epoch, index) before fetching the item, so an item's
+random transforms are the same whichever rank or DataLoader worker fetches it, and a resumed or
+resized run sees exactly the items an uninterrupted one would.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sized
+from collections.abc import Callable, Iterator, Sized
+from typing import Any
 
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import Dataset, DistributedSampler, get_worker_info
+
+from trainer.rng import isolated, seed_item
+
+EVAL_EPOCH = -1  # the evaluation set's items are seeded as an epoch of their own
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -52,7 +62,8 @@ class ResumableDistributedSampler(DistributedSampler):
             return iter([])
         padding = self.total_size - len(remaining)
         padded = remaining + (remaining * math.ceil(padding / len(remaining)))[:padding]
-        return iter(padded[self.rank:self.total_size:self.num_replicas])
+        offset = self.epoch * len(self.dataset)
+        return iter([offset + index for index in padded[self.rank:self.total_size:self.num_replicas]])
 
     def __len__(self) -> int:
         return self.num_samples
@@ -75,3 +86,43 @@ class ShardSampler(torch.utils.data.Sampler[int]):
 
     def __len__(self) -> int:
         return len(range(self.rank, self.size, self.num_replicas))
+
+
+class SeededItems(Dataset[Any]):
+    """A dataset fetched by key (see the module's docstring), each item under its own seed.
+
+    ``deterministic``: the items draw no random numbers, so seeding is skipped (keys are still decoded).
+    In the main process (no DataLoader workers) the generators are restored after each item, so items
+    do not consume the model's random stream (dropout).
+    """
+
+    def __init__(self, dataset: Dataset[Any], seed: int, deterministic: bool, epoch_offset: int = 0) -> None:
+        self.dataset = dataset
+        self.seed = seed
+        self.deterministic = deterministic
+        self.size = len(dataset)  # type: ignore[arg-type]
+        self.epoch_offset = epoch_offset
+        getitems = getattr(dataset, "__getitems__", None)
+        self._batched: Callable[[list[int]], Any] | None = getitems if deterministic else None
+
+    def __len__(self) -> int:
+        return self.size
+
+    def index(self, key: int) -> int:
+        return key % self.size
+
+    def __getitem__(self, key: int) -> Any:
+        epoch, index = divmod(key, self.size)
+        if self.deterministic:
+            return self.dataset[index]
+        if get_worker_info() is None:
+            with isolated():
+                seed_item(self.seed, epoch + self.epoch_offset, index)
+                return self.dataset[index]
+        seed_item(self.seed, epoch + self.epoch_offset, index)
+        return self.dataset[index]
+
+    def __getitems__(self, keys: list[int]) -> Any:
+        if self._batched is not None:  # a batch at a time (ImageTensorDataset): one lookup, not one per item
+            return self._batched([key % self.size for key in keys])
+        return [self[key] for key in keys]

@@ -8,6 +8,8 @@ from typing import Any
 
 from torch.optim import Optimizer
 
+SCHEDULES = ("constant", "cosine")
+
 
 class LRSchedule:
     """Linear warm-up, then constant or cosine decay to zero at the end of training."""

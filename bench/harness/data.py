@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from trainer.config import DataConfig
 from trainer.data import ImageTensorDataset, load_datasets
 from trainer.distributed import Runtime
 from trainer.env import identity_from_env
+from trainer.tasks.classification import ClassificationOptions
 
 
 def one_process_runtime() -> Runtime:
@@ -17,7 +17,7 @@ def one_process_runtime() -> Runtime:
 
 def fashion_mnist_train() -> ImageTensorDataset:
     """The training split from the trainer's default location (the Debian package, else the shipped subset)."""
-    train, _, _ = load_datasets(DataConfig(dataset="fashion-mnist"), one_process_runtime())
+    train, _, _ = load_datasets(ClassificationOptions(dataset="fashion-mnist"), one_process_runtime())
     return train
 
 

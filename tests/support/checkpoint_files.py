@@ -32,7 +32,7 @@ def _describe_state_file(manifest: dict[str, Any], data: bytes) -> None:
     manifest["files"]["state.pt"] = {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}
 
 
-def break_checkpoint(folder: Path, defect: str, marker: Path | None = None) -> None:
+def break_checkpoint(folder: Path, defect: str, marker: Path | None = None, version: int = 0) -> None:
     state = folder / "state.pt"
     data = state.read_bytes()
     if defect == "flipped-bytes":
@@ -50,8 +50,8 @@ def break_checkpoint(folder: Path, defect: str, marker: Path | None = None) -> N
         (folder / "manifest.json").write_text('{"format": 2, "files": ')
     elif defect == "manifest-without-checksum":
         _edit_manifest(folder, lambda m: m["files"]["state.pt"].pop("crc32"))
-    elif defect == "older-format":
-        _edit_manifest(folder, lambda m: m.update(format=1))
+    elif defect == "format":
+        _edit_manifest(folder, lambda m: m.update(format=version))
     elif defect == "pickled-object":
         # A well-formed checkpoint (size and checksum match) whose state would run code if unpickled freely.
         assert marker is not None

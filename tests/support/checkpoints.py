@@ -8,16 +8,17 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint import open_storage, verify
+from trainer.checkpoint import TaskRecord, TrainingState, open_storage, verify
+from trainer.position import TrainingPosition
 
 
 def newest_checkpoint(checkpoint_dir: Path) -> tuple[str, dict[str, Any], dict[str, Any]]:
-    """(name, manifest, state) of the newest valid checkpoint."""
+    """(name, manifest, state as a plain dict) of the newest valid checkpoint."""
     storage = open_storage(str(checkpoint_dir))
     names = storage.list_checkpoints()
     assert names, f"no checkpoint in {checkpoint_dir}"
     loaded = verify(storage, names[0])
-    return names[0], loaded.manifest, loaded.state
+    return names[0], loaded.manifest, loaded.state.to_dict()
 
 
 def assert_same_tensors(left: Any, right: Any, path: str = "") -> None:
@@ -38,3 +39,10 @@ def assert_same_tensors(left: Any, right: Any, path: str = "") -> None:
 
 def summary(output_dir: Path) -> dict[str, Any]:
     return json.loads((output_dir / "summary.json").read_text())
+
+
+def state_at(step: int, weight: torch.Tensor | None = None) -> TrainingState:
+    """A minimal typed training state: one weight tensor (filled with the step), at ``step``."""
+    return TrainingState(model={"weight": torch.full((64, 64), float(step)) if weight is None else weight},
+                         optimizer={}, grad_scaler={}, position=TrainingPosition(step=step),
+                         task=TaskRecord("test", "test", {}), config={}, world_size=1, rng=[], versions={})

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from tests.support.checkpoint_files import break_checkpoint, checkpoint_bytes
-from trainer.checkpoint import CheckpointManager, open_storage, verify
+from tests.support.checkpoints import state_at
+from trainer.checkpoint import CheckpointManager, Monitor, open_storage, verify
 from trainer.config import CheckpointConfig, DistConfig
 from trainer.distributed import Runtime, destroy_process_group, init_process_group
 from trainer.env import identity_from_env
@@ -39,22 +40,17 @@ ManagerFactory = Callable[..., CheckpointManager]
 @pytest.fixture
 def manager_for(runtime: Runtime, log: logging.Logger) -> ManagerFactory:
     def make(location: str, **config: object) -> CheckpointManager:
-        manager = CheckpointManager(CheckpointConfig(**config), location, runtime, log)  # type: ignore[arg-type]
+        manager = CheckpointManager(CheckpointConfig(**config), location, runtime, log,  # type: ignore[arg-type]
+                                    Monitor("accuracy", "max"))
         manager.prepare()
         return manager
     return make
 
 
-def training_state(step: int) -> dict:
-    return {"model": {"weight": torch.full((64, 64), float(step))}, "position": {"step": step}}
-
-
 def save_steps(manager: CheckpointManager, steps: list[int], accuracy: dict[int, float] | None = None) -> None:
     for step in steps:
-        extra: dict = {"step": step}
-        if accuracy and step in accuracy:
-            extra["test_accuracy"] = accuracy[step]
-        manager.save(training_state(step), extra)
+        metrics = {"accuracy": accuracy[step]} if accuracy and step in accuracy else None
+        manager.save(state_at(step), metrics)
     manager.finish()
 
 
@@ -72,7 +68,6 @@ DEFECTS = {
     "missing-manifest": "no manifest (the save did not finish)",
     "unparseable-manifest": "manifest.json is not valid JSON",
     "manifest-without-checksum": "manifest.json has no 'crc32' entry",
-    "older-format": "format 1, this trainer reads 2",
     "pickled-object": "does not load with weights_only=True (Unsupported global",
 }
 
@@ -89,6 +84,21 @@ def test_a_broken_newest_checkpoint_is_skipped_with_its_reason_for_the_previous_
     assert len(skipped) == 1 and "step-00000002: " in skipped[0] and DEFECTS[defect] in skipped[0], skipped
     assert "\n" not in skipped[0]
     assert not (tmp_path / "executed").exists(), "loading ran code from the checkpoint"
+
+
+@pytest.mark.parametrize(("version", "message"), [
+    (1, "format 1, which this trainer cannot read (it reads 2, 3)"),
+    (4, "format 4, which this trainer cannot read (it reads 2, 3); it was written by a newer ddp-deploy"),
+])
+def test_a_checkpoint_in_an_unknown_format_is_refused_not_skipped(version, message, manager_for, tmp_path):
+    """Skipping it would start afresh and, later, prune the checkpoints this trainer could not read."""
+    save_steps(manager_for(str(tmp_path)), [1, 2])
+    break_checkpoint(tmp_path / "step-00000002", "format", version=version)
+    for resume in ("latest", str(tmp_path / "step-00000002")):
+        with pytest.raises(CheckpointError) as raised:
+            manager_for(str(tmp_path)).load(resume)
+        assert message in str(raised.value) and "--resume none" in str(raised.value)
+    assert names(str(tmp_path)) == ["step-00000002", "step-00000001"]
 
 
 def test_resume_path_to_a_broken_checkpoint_is_one_line_naming_the_reason_and_the_way_out(manager_for, tmp_path):
@@ -118,8 +128,8 @@ def test_a_save_leaves_exactly_one_committed_folder_whose_manifest_describes_it(
     loaded = verify(open_storage(str(tmp_path)), "step-00000005")
     assert loaded.manifest["step"] == 5
     assert loaded.manifest["files"]["state.pt"]["bytes"] == (tmp_path / "step-00000005" / "state.pt").stat().st_size
-    assert torch.equal(loaded.state["model"]["weight"], training_state(5)["model"]["weight"])
-    assert set(loaded.state["rng"][0]) >= {"python", "numpy", "torch"} and "torch" in loaded.state["versions"]
+    assert torch.equal(loaded.state.model["weight"], state_at(5).model["weight"])
+    assert set(loaded.state.rng[0]) >= {"python", "numpy", "torch"} and "torch" in loaded.state.versions
 
 
 def test_a_checkpoint_moved_aside_for_replacement_is_put_back_when_the_save_crashed(manager_for, tmp_path):
@@ -136,9 +146,9 @@ def test_a_checkpoint_moved_aside_for_replacement_is_put_back_when_the_save_cras
 def test_saving_a_step_that_exists_replaces_it(manager_for, tmp_path):
     save_steps(manager_for(str(tmp_path)), [4])
     manager = manager_for(str(tmp_path))
-    manager.save({"model": {"weight": torch.ones(2)}}, {"step": 4})
+    manager.save(state_at(4, torch.ones(2)))
     assert sorted(path.name for path in tmp_path.iterdir()) == ["step-00000004"]
-    assert torch.equal(verify(open_storage(str(tmp_path)), "step-00000004").state["model"]["weight"], torch.ones(2))
+    assert torch.equal(verify(open_storage(str(tmp_path)), "step-00000004").state.model["weight"], torch.ones(2))
 
 
 # -- retention -----------------------------------------------------------------------------------------------
@@ -168,9 +178,9 @@ def test_broken_later_checkpoints_do_not_count_against_the_good_ones(manager_for
     break_checkpoint(tmp_path / "step-00000002", "flipped-bytes")
     manager = manager_for(str(tmp_path), keep_last=2)
     assert manager.load("latest").location.endswith("step-00000001")
-    manager.save(training_state(2), {"step": 2})
+    manager.save(state_at(2))
     assert names(str(tmp_path)) == ["step-00000003", "step-00000002", "step-00000001"]
-    manager.save(training_state(3), {"step": 3})
+    manager.save(state_at(3))
     assert names(str(tmp_path)) == ["step-00000003", "step-00000002"]
     for name in names(str(tmp_path)):
         verify(open_storage(str(tmp_path)), name)
@@ -187,7 +197,7 @@ def test_an_fsspec_url_round_trips_with_retention_and_broken_ones_skipped(scheme
     fs.pipe_file(f"{root}/step-00000003/state.pt", b"not a checkpoint")
     loaded = manager_for(location).load("latest")
     assert loaded is not None and loaded.location.endswith("step-00000002")
-    assert torch.equal(loaded.state["model"]["weight"], training_state(2)["model"]["weight"])
+    assert torch.equal(loaded.state.model["weight"], state_at(2).model["weight"])
     assert not [path for path in fs.ls(root, detail=False) if "/.tmp-" in path]
 
 
@@ -196,10 +206,10 @@ def test_an_fsspec_url_round_trips_with_retention_and_broken_ones_skipped(scheme
 def test_async_save_writes_the_state_as_it_was_when_save_returned(manager_for, tmp_path):
     manager = manager_for(str(tmp_path), async_checkpoint=True)
     weight = torch.zeros(256, 256)
-    manager.save({"model": {"weight": weight}}, {"step": 1})
+    manager.save(state_at(1, weight))
     weight.add_(1.0)  # training goes on while the background thread writes
     manager.finish()
-    assert torch.equal(verify(open_storage(str(tmp_path)), "step-00000001").state["model"]["weight"],
+    assert torch.equal(verify(open_storage(str(tmp_path)), "step-00000001").state.model["weight"],
                        torch.zeros(256, 256))
     assert manager.last_timing.bytes > 0 and manager.last_timing.write_s > 0
 
@@ -212,7 +222,7 @@ def test_a_failed_background_write_is_raised_by_finish_and_leaves_good_checkpoin
     folder.rename(tmp_path / "moved")
     folder.write_bytes(b"")
     good = checkpoint_bytes(tmp_path / "moved")
-    manager.save(training_state(2), {"step": 2})
+    manager.save(state_at(2))
     with pytest.raises(CheckpointError, match="could not write checkpoint .*step-00000002: Not a directory"):
         manager.finish()
     assert checkpoint_bytes(tmp_path / "moved") == good
@@ -221,4 +231,5 @@ def test_a_failed_background_write_is_raised_by_finish_and_leaves_good_checkpoin
 def test_manifest_is_plain_json(manager_for, tmp_path):
     save_steps(manager_for(str(tmp_path)), [1])
     manifest = json.loads((tmp_path / "step-00000001" / "manifest.json").read_text())
-    assert manifest["format"] == 2 and set(manifest["files"]["state.pt"]) == {"bytes", "crc32"}
+    assert manifest["format"] == 3 and set(manifest["files"]["state.pt"]) == {"bytes", "crc32"}
+    assert (manifest["step"], manifest["task"], manifest["world_size"]) == (1, "test", 1)

@@ -1,34 +1,45 @@
-"""Configuration: flags over YAML over defaults, validated once, with messages that name the flag."""
+"""Configuration: flags over a script's settings over YAML over defaults, validated once, with messages
+that name the flag; the task's options are flags too; every list of names comes from a registry."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 
-from trainer.cli import build_parser, parse_config
-from trainer.config import Config
-from trainer.errors import ConfigError
+from trainer.cli import build_parser, config_from_values, parse_config
+from trainer.config import SECTIONS
+from trainer.errors import ConfigError, TaskError
+from trainer.gradsync import SYNC_METHODS, DDPSync
+from trainer.models import MODELS, ConvNet
+from trainer.options import fields_of, option
+from trainer.registry import Entry
+from trainer.task import Task
 
 
-def test_every_config_field_has_a_flag_with_help():
-    parser = build_parser()
+def test_every_config_field_and_task_option_has_a_flag_with_help():
+    config, spec = parse_config([])
+    parser = build_parser(spec)
     flags = {option for action in parser._actions for option in action.option_strings}
-    for section in Config().to_dict().values():
-        for name in section:
-            assert "--" + name.replace("_", "-") in flags
+    for kind in [*SECTIONS.values(), spec.options_type]:
+        for field in fields_of(kind):
+            assert "--" + field.name.replace("_", "-") in flags
     assert all(action.help for action in parser._actions)
 
 
-def test_flags_override_yaml_which_overrides_defaults(tmp_path):
+def test_flags_override_settings_which_override_yaml_which_overrides_defaults(tmp_path):
     file = tmp_path / "c.yaml"
-    file.write_text("optim:\n  lr: 0.01\n  optimizer: sgd\nepochs: 5\nbatch-size: 32\n")
-    config = parse_config(["--config", str(file), "--lr", "0.2", "--sync-bn"])
+    file.write_text("optim:\n  lr: 0.01\n  optimizer: sgd\nepochs: 5\nbatch-size: 32\ntask:\n  model: lenet\n")
+    config, _ = parse_config(["--config", str(file), "--lr", "0.2", "--sync-bn"], settings={"epochs": 7, "lr": 0.3})
     assert config.optim.lr == 0.2 and config.optim.optimizer == "sgd"
-    assert config.train.epochs == 5 and config.train.batch_size == 32 and config.model.sync_bn
+    assert config.train.epochs == 7 and config.train.batch_size == 32 and config.model.sync_bn
+    assert config.task_options.model == "lenet"
 
 
-def test_config_round_trips_through_a_dict():
-    config = parse_config(["--model", "lenet", "--keep-last", "4"])
-    assert Config.from_dict(config.to_dict()) == config
+def test_config_round_trips_through_its_yaml_layout():
+    config, spec = parse_config(["--model", "lenet", "--keep-last", "4", "--dataset", "synthetic"])
+    assert config_from_values(spec, config.to_dict()) == config
+    assert config.to_dict()["task"] == {"name": "classification", **config.to_dict()["task"], "model": "lenet"}
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -36,6 +47,10 @@ def test_config_round_trips_through_a_dict():
     (["--keep-last", "1"], "--keep-last must be >= 2"),
     (["--synthetic-shape", "3,32"], "--synthetic-shape '3,32'"),
     (["--device", "cpu", "--precision", "fp16"], "fp16 needs a GPU"),
+    (["--num-workers", "two"], "--num-workers 'two': auto or a number"),
+    (["--model", "resnet1000"], "--model 'resnet1000': no such model; choose one of convnet, lenet"),
+    (["--dataset", "imagenet"], "--dataset 'imagenet': no such dataset; choose one of fashion-mnist"),
+    (["--sync", "carrier-pigeon"], "--sync 'carrier-pigeon': no such gradient synchronisation method"),
 ])
 def test_invalid_values_name_the_flag(argv, message):
     with pytest.raises(ConfigError, match=message):
@@ -50,5 +65,64 @@ def test_yaml_errors_name_the_key(tmp_path):
     file.write_text("learning_rate: 0.1\n")
     with pytest.raises(ConfigError, match="unknown config key 'learning_rate'"):
         parse_config(["--config", str(file)])
+    file.write_text("data:\n  dataset: mnist\n")  # where format 2's configs had it
+    with pytest.raises(ConfigError, match="'dataset' is in section 'data' but belongs under 'task:'"):
+        parse_config(["--config", str(file)])
     with pytest.raises(ConfigError, match="no such file"):
         parse_config(["--config", str(tmp_path / "missing.yaml")])
+
+
+def test_a_name_added_to_a_registry_alone_is_accepted_listed_and_built(monkeypatch):
+    monkeypatch.setitem(MODELS._entries, "tiny", Entry("tiny", lambda c, s, n, p: ConvNet(c, s, n), "a test model"))
+    monkeypatch.setitem(SYNC_METHODS._entries, "ddp2", Entry("ddp2", DDPSync, "a second name"))
+    config, spec = parse_config(["--model", "tiny", "--sync", "ddp2"])
+    assert (config.task_options.model, config.train.sync) == ("tiny", "ddp2")
+    help_text = build_parser(spec).format_help()
+    assert "tiny" in help_text and "ddp2" in help_text
+
+
+@dataclass
+class WindowOptions:
+    window: int = option(32, "input steps per sample")
+    noise: float = option(0.1, "noise added to the inputs")
+
+
+class WindowTask(Task[WindowOptions]):
+    name = "window"
+    Options = WindowOptions
+
+    def datasets(self, context): ...
+
+    def model(self, data): ...
+
+    def loss(self, outputs, targets): ...
+
+
+def test_a_tasks_options_are_flags_and_yaml_keys_of_their_own_section(tmp_path):
+    file = tmp_path / "c.yaml"
+    file.write_text("task:\n  window: 8\nnoise: 0.5\nepochs: 2\n")
+    config, spec = parse_config(["--config", str(file), "--window", "16"], task=WindowTask)
+    assert (config.task_options.window, config.task_options.noise, config.train.epochs) == (16, 0.5, 2)
+    assert spec.name == "window" and config.task.endswith(":WindowTask")
+    assert "--window" in build_parser(spec, task_fixed=True).format_help()
+    with pytest.raises(ConfigError, match="unknown config key 'model'"):
+        parse_config([], task=WindowTask, settings={"model": "lenet"})  # the built-in task's, not this one's
+
+
+def test_a_task_option_named_like_a_trainer_setting_is_refused():
+    @dataclass
+    class Clashing:
+        lr: float = option(0.1, "the task's own learning rate")
+
+    class ClashingTask(WindowTask):
+        Options = Clashing
+
+    with pytest.raises(TaskError, match="option lr has the name of one of the trainer's own settings"):
+        parse_config([], task=ClashingTask)
+
+
+def test_a_script_that_fixes_its_task_refuses_a_config_naming_another(tmp_path):
+    file = tmp_path / "c.yaml"
+    file.write_text("task:\n  name: classification\n")
+    with pytest.raises(ConfigError, match="the config names task 'classification', but this script trains its own"):
+        parse_config(["--config", str(file)], task=WindowTask)

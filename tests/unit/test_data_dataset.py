@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from trainer.config import DataConfig
+from trainer.tasks import ClassificationOptions
+from trainer.build import first
 from trainer.data import ImageTensorDataset, collate_batch, load_datasets
 from trainer.distributed import Runtime
 from trainer.env import identity_from_env
@@ -59,7 +60,7 @@ def test_mean_and_std_must_cover_every_channel() -> None:
 
 
 def synthetic(**overrides: object) -> tuple[ImageTensorDataset, ImageTensorDataset]:
-    config = DataConfig(dataset="synthetic", **overrides)  # type: ignore[arg-type]
+    config = ClassificationOptions(dataset="synthetic", **overrides)  # type: ignore[arg-type]
     train, test, _ = load_datasets(config, ONE_PROCESS)
     return train, test
 
@@ -84,7 +85,7 @@ def test_synthetic_generation_leaves_the_global_rng_alone() -> None:
 
 @pytest.mark.parametrize("shape", ["1,28,28", "3,20,36", "5,1,1"])
 def test_synthetic_data_takes_any_shape(shape: str) -> None:
-    config = DataConfig(dataset="synthetic", synthetic_shape=shape, synthetic_train_size=40, synthetic_test_size=20,
+    config = ClassificationOptions(dataset="synthetic", synthetic_shape=shape, synthetic_train_size=40, synthetic_test_size=20,
                         synthetic_classes=4)
     train, test, info = load_datasets(config, ONE_PROCESS)
     c, h, w = (int(part) for part in shape.split(","))
@@ -109,8 +110,10 @@ def test_synthetic_classes_are_balanced_and_learnable() -> None:
     assert accuracy > 0.8  # chance is 0.1
 
 
-def test_max_samples_keep_the_first_n() -> None:
+def test_max_samples_keep_the_first_n_and_the_batched_lookup() -> None:
     full_train, full_test = synthetic()
-    train, test = synthetic(max_train_samples=100, max_test_samples=7)
-    assert len(train) == 100 and torch.equal(train.images, full_train.images[:100])
+    train, test = first(full_train, 100), first(full_test, 7)
+    assert isinstance(train, ImageTensorDataset) and torch.equal(train.images, full_train.images[:100])
     assert len(test) == 7 and torch.equal(test.labels, full_test.labels[:7])
+    items = [(torch.tensor([float(i)]), i) for i in range(10)]
+    assert [x for _, x in first(items, 3)] == [0, 1, 2] and first(items, 0) is items  # any map-style dataset

@@ -13,7 +13,9 @@ def rank_orders(size: int, world_size: int, epoch: int, start: int = 0, seed: in
     for rank in range(world_size):
         sampler = ResumableDistributedSampler(range(size), world_size, rank, seed)
         sampler.set_epoch(epoch, start_sample=start)
-        orders.append(list(sampler))
+        keys = list(sampler)
+        assert all(key // size == epoch for key in keys), "a key is epoch * size + index"
+        orders.append([key % size for key in keys])
     return orders
 
 
@@ -52,3 +54,35 @@ def test_evaluation_shards_count_every_sample_exactly_once():
     shards = [list(ShardSampler(range(10), 3, rank)) for rank in range(3)]
     assert sorted(sum(shards, [])) == list(range(10))
     assert [len(shard) for shard in shards] == [4, 3, 3]
+
+
+class Noisy:
+    """Items drawn at random: what a dataset with random augmentation does."""
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, index: int) -> tuple[float, float, int]:
+        import random
+
+        import torch
+        return float(torch.rand(())), random.random(), index
+
+
+def test_seeded_items_give_each_epoch_and_index_its_own_draws_whoever_fetches_them():
+    import torch
+
+    from trainer.sampler import SeededItems
+
+    items = SeededItems(Noisy(), seed=3, deterministic=False)
+    torch.manual_seed(0)
+    before = torch.rand(3)
+    first = [items[key] for key in range(12)]  # epochs 0 and 1
+    torch.manual_seed(0)
+    assert torch.equal(torch.rand(3), before), "fetching items must not move the model's random stream"
+    again = [items[key] for key in reversed(range(12))][::-1]  # another order, as another rank or resume
+    assert first == again
+    assert first[0][:2] != first[6][:2], "the same index draws anew each epoch"
+    assert len({draw[:2] for draw in first}) == 12
+    assert SeededItems(Noisy(), seed=4, deterministic=False)[0] != first[0]
+    assert SeededItems(Noisy(), seed=3, deterministic=True)[7][2] == 1  # keys decoded, nothing seeded

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from tests.support.checkpoints import state_at
 from trainer.checkpoint import CheckpointManager
 from trainer.config import CheckpointConfig, DistConfig
 from trainer.distributed import process_group
@@ -34,7 +35,7 @@ def main(checkpoint_dir: str, state_mb: int) -> None:
             weights[0] = step  # each checkpoint's content differs
             print(f"saving {step}", flush=True)
             started = time.perf_counter()
-            manager.save({"model": {"weights": weights}}, {"step": step})
+            manager.save(state_at(step, weights))
             print(f"saved {step} {time.perf_counter() - started:.4f}", flush=True)
 
 

@@ -1,7 +1,8 @@
-"""Checkpoints: crash-consistent storage, full training state, resume."""
+"""Checkpoints: crash-consistent storage, one typed schema of the training state, resume."""
 
-from trainer.checkpoint.manager import CheckpointManager, InvalidCheckpoint, LoadedCheckpoint, verify
+from trainer.checkpoint.manager import CheckpointManager, InvalidCheckpoint, LoadedCheckpoint, Monitor, verify
+from trainer.checkpoint.schema import FORMAT, TaskRecord, Trainable, TrainingState, capture, restore
 from trainer.checkpoint.storage import CheckpointStorage, open_storage
 
-__all__ = ["CheckpointManager", "CheckpointStorage", "InvalidCheckpoint", "LoadedCheckpoint", "open_storage",
-           "verify"]
+__all__ = ["FORMAT", "CheckpointManager", "CheckpointStorage", "InvalidCheckpoint", "LoadedCheckpoint", "Monitor",
+           "TaskRecord", "Trainable", "TrainingState", "capture", "open_storage", "restore", "verify"]

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint.state import capture_rng, library_versions
+from trainer.checkpoint.schema import FORMAT, READABLE, SchemaError, TrainingState, library_versions
 from trainer.checkpoint.storage import (
     MANIFEST,
     CheckpointStorage,
@@ -28,25 +28,37 @@ from trainer.checkpoint.storage import (
 from trainer.config import CheckpointConfig
 from trainer.distributed import Runtime, broadcast_from_main, gather_to_main
 from trainer.errors import CheckpointError
+from trainer.rng import capture_rng
 
 STATE_FILE = "state.pt"
-FORMAT_VERSION = 2  # 2: streamed writes, crc32 checksums
 
 
 class InvalidCheckpoint(Exception):
-    """Why one checkpoint folder cannot be used."""
+    """Why one checkpoint folder cannot be used (it is skipped, the next older one is tried)."""
+
+
+class UnknownFormat(Exception):
+    """A checkpoint in a format this trainer cannot read: refused, never skipped, so that a format change
+    cannot make ``--resume latest`` quietly start afresh and prune the checkpoints it could not read."""
 
 
 @dataclass
 class LoadedCheckpoint:
     location: str
     manifest: dict[str, Any]
-    state: dict[str, Any]
+    state: TrainingState
+
+
+@dataclass(frozen=True)
+class Monitor:
+    """The manifest metric --keep-best keeps the best checkpoint by."""
+
+    metric: str
+    mode: str  # "max" or "min"
 
 
 @dataclass
 class SaveTiming:
-    blocked_s: float = 0.0  # training stopped for this long (snapshot, or the whole write when synchronous)
     write_s: float = 0.0  # serialise + checksum + write + fsync + commit
     bytes: int = 0
 
@@ -56,7 +68,7 @@ def verify(storage: CheckpointStorage, name: str) -> LoadedCheckpoint:
     if not storage.exists(name, MANIFEST):
         raise InvalidCheckpoint("no manifest (the save did not finish)" if storage.has_folder(name)
                                 else "no such checkpoint folder")
-    manifest, size, checksum = _read_manifest(storage, name)
+    manifest, size, checksum, version = _read_manifest(storage, name)
     try:
         data = storage.read(name, STATE_FILE)
     except OSError as error:
@@ -73,10 +85,13 @@ def verify(storage: CheckpointStorage, name: str) -> LoadedCheckpoint:
                                 ) from None
     if not isinstance(state, dict):
         raise InvalidCheckpoint(f"{STATE_FILE} holds a {type(state).__name__}, not a training state")
-    return LoadedCheckpoint(storage.describe(name), manifest, state)
+    try:
+        return LoadedCheckpoint(storage.describe(name), manifest, TrainingState.from_dict(state, version))
+    except SchemaError as problem:
+        raise InvalidCheckpoint(str(problem)) from None
 
 
-def _read_manifest(storage: CheckpointStorage, name: str) -> tuple[dict[str, Any], int, str]:
+def _read_manifest(storage: CheckpointStorage, name: str) -> tuple[dict[str, Any], int, str, int]:
     """The manifest, and the size and checksum it promises for the state file."""
     try:
         manifest = json.loads(storage.read(name, MANIFEST))
@@ -91,9 +106,14 @@ def _read_manifest(storage: CheckpointStorage, name: str) -> tuple[dict[str, Any
         raise InvalidCheckpoint(f"{MANIFEST} has no {error} entry") from None
     except (TypeError, AttributeError):
         raise InvalidCheckpoint(f"{MANIFEST} does not have the layout this trainer writes") from None
-    if version != FORMAT_VERSION:
-        raise InvalidCheckpoint(f"format {version!r}, this trainer reads {FORMAT_VERSION}")
-    return manifest, size, checksum
+    if version not in READABLE:
+        newer = isinstance(version, int) and version > FORMAT
+        raise UnknownFormat(
+            f"{storage.describe(name)} is in checkpoint format {version!r}, which this trainer cannot read (it reads "
+            f"{', '.join(map(str, READABLE))})" + ("; it was written by a newer ddp-deploy: upgrade this one" if newer
+                                                   else "") + "; or pass --resume none or another --checkpoint-dir to "
+            "start afresh (the checkpoints there are kept)")
+    return manifest, size, checksum, version
 
 
 def _load_failure(error: Exception) -> str:
@@ -106,10 +126,12 @@ def _load_failure(error: Exception) -> str:
 
 
 class CheckpointManager:
-    def __init__(self, config: CheckpointConfig, location: str, runtime: Runtime, log: logging.Logger) -> None:
+    def __init__(self, config: CheckpointConfig, location: str, runtime: Runtime, log: logging.Logger,
+                 monitor: Monitor | None = None) -> None:
         self.config = config
         self.runtime = runtime
         self.log = log
+        self.monitor = monitor
         self.storage = open_storage(location)
         self.last_timing = SaveTiming()
         self._writer: threading.Thread | None = None
@@ -136,6 +158,8 @@ class CheckpointManager:
             try:
                 outcome = self._find(resume)
             except CheckpointError as problem:
+                outcome = str(problem)
+            except UnknownFormat as problem:
                 outcome = str(problem)
         outcome = broadcast_from_main(outcome, self.runtime)
         if isinstance(outcome, str):
@@ -166,37 +190,38 @@ class CheckpointManager:
                 f"--resume {path}: {problem}; pass another checkpoint folder, --resume latest to take the newest "
                 f"valid one, or --resume none to start afresh"
             ) from None
+        except UnknownFormat as problem:
+            raise CheckpointError(f"--resume {path}: {problem}") from None
         except OSError as error:
             raise CheckpointError(f"--resume {path}: cannot read it ({error.strerror or error})") from None
 
     # -- save ----------------------------------------------------------------------------------------------
-    def save(self, state: dict[str, Any], manifest_extra: dict[str, Any]) -> None:
+    def save(self, state: TrainingState, metrics: dict[str, float] | None = None) -> None:
         """Called by every rank at the same step; rank 0 writes, the others learn whether it worked.
 
         Each rank contributes its own RNG state (they differ per rank). Synchronous saves return after
         the commit; asynchronous ones after the snapshot, and the next save or ``finish`` collects the
-        outcome.
+        outcome. ``metrics``: the evaluation's, recorded in the manifest (--keep-best reads them there).
         """
-        started = time.perf_counter()
         self._raise_everywhere(self._wait_for_writer())
         rng_by_rank = gather_to_main(capture_rng(), self.runtime)
         error = None
         if self.runtime.is_main:
-            full_state = {**state, "rng": rng_by_rank, "versions": library_versions()}
-            name = checkpoint_name(manifest_extra["step"])
+            state.rng, state.versions = rng_by_rank or [], library_versions()
+            raw, described = state.to_dict(), state.manifest(metrics)
+            name = checkpoint_name(state.position.step)
             if self.config.async_checkpoint:
-                snapshot = self._snapshot(full_state)
-                self._writer = threading.Thread(target=self._write_in_background, args=(name, snapshot,
-                                                manifest_extra), name="checkpoint-writer", daemon=False)
+                self._writer = threading.Thread(target=self._write_in_background,
+                                                args=(name, self._snapshot(raw), described),
+                                                name="checkpoint-writer", daemon=False)
                 self._writer.start()
             else:
                 try:
-                    self._write(name, full_state, manifest_extra)
+                    self._write(name, raw, described)
                 except CheckpointError as problem:
                     error = str(problem)
         if not self.config.async_checkpoint:
             self._raise_everywhere(error)
-        self.last_timing.blocked_s = time.perf_counter() - started
 
     def finish(self) -> None:
         """Wait for a background write and make its failure every rank's error."""
@@ -239,7 +264,7 @@ class CheckpointManager:
 
         def make_manifest(files: dict[str, dict[str, Any]]) -> bytes:
             written.update(files)
-            manifest = {"format": FORMAT_VERSION, **manifest_extra, "created_unix": time.time(), "files": files}
+            manifest = {"format": FORMAT, **manifest_extra, "created_unix": time.time(), "files": files}
             return json.dumps(manifest, indent=2).encode()
 
         # torch.save streams straight into the temporary file (through the checksum): no serialised copy
@@ -269,11 +294,10 @@ class CheckpointManager:
                 continue  # never committed: not counted, and removed below as unusable
             committed.append((name, manifest if isinstance(manifest, dict) else {}))
         kept = {name for name, _ in committed[: self.config.keep_last]} | {written}
-        if self.config.keep_best:
-            scored = [(m["test_accuracy"], step_of(name) or 0, name) for name, m in committed
-                      if isinstance(m.get("test_accuracy"), int | float)]
-            if scored:
-                kept.add(max(scored)[2])
+        if self.config.keep_best and self.monitor is not None:
+            best = _best(committed, self.monitor)
+            if best is not None:
+                kept.add(best)
         for name in older:
             if name in kept:
                 continue
@@ -289,3 +313,16 @@ class CheckpointManager:
             if self.runtime.is_main:
                 raise CheckpointError(error)
             raise CheckpointError(f"rank 0 could not write the checkpoint: {error}")
+
+
+def _best(committed: list[tuple[str, dict[str, Any]]], monitor: Monitor) -> str | None:
+    """The checkpoint with the best value of the monitored metric in its manifest (format 2: test_accuracy)."""
+    scored = []
+    for name, manifest in committed:
+        metrics = manifest.get("metrics") if isinstance(manifest.get("metrics"), dict) else {}
+        if manifest.get("format") == 2 and "test_accuracy" in manifest:
+            metrics = {"accuracy": manifest["test_accuracy"]}
+        value = metrics.get(monitor.metric)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            scored.append((value if monitor.mode == "max" else -value, step_of(name) or 0, name))
+    return max(scored)[2] if scored else None

@@ -1,7 +1,11 @@
-"""Where data comes from: real datasets from folders, URLs or downloads, and a synthetic one, as tensors."""
+"""Where the built-in classification task's data comes from: real datasets from folders, URLs or
+downloads, image folders, and a synthetic dataset; the registry --dataset reads its names from."""
 
 from trainer.data.dataset import DatasetInfo, ImageTensorDataset, collate_batch
-from trainer.data.loading import load_datasets
-from trainer.data.locate import default_data_dir
+from trainer.data.idx import read_idx, write_idx
+from trainer.data.imagefolder import ImageFolderDataset
+from trainer.data.loading import DATASETS, load_datasets
+from trainer.data.locate import SHIPPED_FASHION_MNIST, SYSTEM_FASHION_MNIST, default_data_dir
 
-__all__ = ["DatasetInfo", "ImageTensorDataset", "collate_batch", "default_data_dir", "load_datasets"]
+__all__ = ["DATASETS", "SHIPPED_FASHION_MNIST", "SYSTEM_FASHION_MNIST", "DatasetInfo", "ImageFolderDataset",
+           "ImageTensorDataset", "collate_batch", "default_data_dir", "load_datasets", "read_idx", "write_idx"]

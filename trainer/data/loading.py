@@ -1,4 +1,5 @@
-"""load_datasets: resolve where the data lives, fetch or download it once per node, read it on every rank.
+"""The datasets --dataset names, and loading one: resolve where it lives, fetch or download it once per
+node, read it on every rank.
 
 Every step that can fail on some ranks only ends in an agreement (trainer.distributed.agree), so a
 missing file on one node becomes the same DataError on every rank instead of a hang in the
@@ -9,17 +10,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import Dataset
 
-from trainer.config import DataConfig
 from trainer.data.catalog import SPECS, DatasetSpec
 from trainer.data.dataset import DatasetInfo, ImageTensorDataset
 from trainer.data.download import download
 from trainer.data.fetch import fetch
+from trainer.data.imagefolder import fetch_tree, load_imagefolder
 from trainer.data.locate import (
     cache_folder,
     default_data_dir,
@@ -29,46 +32,72 @@ from trainer.data.locate import (
     local_filesystem,
 )
 from trainer.data.synthetic import make_synthetic
-from trainer.distributed import Runtime, agree
+from trainer.distributed import Runtime, agreed
 from trainer.errors import DataError
+from trainer.registry import Registry
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+Splits = tuple[Dataset[Any], Dataset[Any], DatasetInfo]
+# (the classification task's options, the group, the seed) -> (train, evaluation, info)
+DatasetLoader = Callable[[Any, Runtime, int], Splits]
 
 
-def load_datasets(config: DataConfig, runtime: Runtime) -> tuple[ImageTensorDataset, ImageTensorDataset, DatasetInfo]:
-    """(train, test, info) for config.dataset, identical on every rank; DataError on every rank if any failed."""
-    if config.dataset == "synthetic":
-        train, test, info = make_synthetic(config.synthetic_image_shape(), config.synthetic_classes,
-                                           config.synthetic_train_size, config.synthetic_test_size)
-    else:
-        spec = SPECS[config.dataset]
-        data_dir = config.data_dir or default_data_dir(config.dataset)
-        folder = _prepare(config, spec, data_dir, runtime)
-        train, test = _agreed(runtime, lambda: _read(spec, folder))
-        _check_same_sizes(runtime, len(train), len(test), data_dir, defaulted=not config.data_dir)
-        info = spec.info
-        if runtime.identity.is_main:
-            log.info("%s from %s: %d training and %d test images", spec.name, data_dir, len(train), len(test))
-    if config.max_train_samples:
-        train = train.head(config.max_train_samples)
-    if config.max_test_samples:
-        test = test.head(config.max_test_samples)
+def load_datasets(options: Any, runtime: Runtime, seed: int = 0) -> Splits:
+    """(train, test, info) for options.dataset, identical on every rank; DataError on every rank if any failed."""
+    return DATASETS.get(options.dataset)(options, runtime, seed)
+
+
+def _load_files(spec: DatasetSpec, options: Any, runtime: Runtime, seed: int) -> Splits:
+    """A dataset of known files (IDX, CIFAR batches), read whole into memory."""
+    data_dir = options.data_dir or default_data_dir(spec.name)
+    folder = _prepare(options, spec, data_dir, runtime)
+    train, test = _agreed(runtime, lambda: _read(spec, folder))
+    _check_same_sizes(runtime, len(train), len(test), data_dir, defaulted=not options.data_dir)
+    if runtime.identity.is_main:
+        log.info("%s from %s: %d training and %d test images", spec.name, data_dir, len(train), len(test))
+    return train, test, spec.info
+
+
+def _load_synthetic(options: Any, runtime: Runtime, seed: int) -> Splits:
+    return make_synthetic(options.synthetic_image_shape(), options.synthetic_classes, options.synthetic_train_size,
+                          options.synthetic_test_size)
+
+
+def _load_imagefolder(options: Any, runtime: Runtime, seed: int) -> Splits:
+    if not options.data_dir:
+        raise DataError("--dataset imagefolder needs --data-dir: a folder (or URL) with one subfolder of images "
+                        "per class")
+    folder = Path(options.data_dir).expanduser()
+    if is_url(options.data_dir):
+        folder = cache_folder(options.data_dir, options.data_cache_dir)
+        local_main = runtime.identity.is_local_main
+        _agreed(runtime, (lambda: fetch_tree(options.data_dir, folder)) if local_main else _nothing)
+    train, test, info = _agreed(runtime, lambda: load_imagefolder(folder, options.image_size, options.eval_fraction,
+                                                                  seed))
+    _check_same_sizes(runtime, len(train), len(test), options.data_dir, defaulted=False)
     return train, test, info
 
 
-def _prepare(config: DataConfig, spec: DatasetSpec, data_dir: str, runtime: Runtime) -> Path:
+DATASETS: Registry[DatasetLoader] = Registry("dataset", "--dataset")
+for _spec in SPECS.values():
+    DATASETS.add(_spec.name, partial(_load_files, _spec), f"{_spec.name} files ({_spec.describe_files()})")
+DATASETS.add("synthetic", _load_synthetic, "generated images of any shape (--synthetic-*), learnable")
+DATASETS.add("imagefolder", _load_imagefolder, "one folder of JPEG/PNG images per class (local or a URL)")
+
+
+def _prepare(options: Any, spec: DatasetSpec, data_dir: str, runtime: Runtime) -> Path:
     """The local folder to read from, after this node's local-main rank fetched or downloaded into it."""
     local_main = runtime.identity.is_local_main
     if is_url(data_dir):
-        if config.download:
+        if options.download:
             raise DataError(f"--download writes into a local folder, but --data-dir is the URL {data_dir}; "
                             f"upload the dataset there, or download into a local --data-dir")
-        folder = cache_folder(data_dir, config.data_cache_dir)
+        folder = cache_folder(data_dir, options.data_cache_dir)
         _agreed(runtime, (lambda: fetch(data_dir, spec, folder)) if local_main else _nothing)
         return folder
     folder = Path(data_dir).expanduser()
-    if config.download:
+    if options.download:
         _agreed(runtime, (lambda: _download_if_missing(spec, folder)) if local_main else _nothing)
     return folder
 
@@ -91,37 +120,8 @@ def _read(spec: DatasetSpec, folder: Path) -> tuple[ImageTensorDataset, ImageTen
 
 
 def _agreed(runtime: Runtime, step: Callable[[], T]) -> T:
-    """Run step here, then agree: any rank's failure is raised on every rank."""
-    try:
-        value = step()
-    except Exception as error:  # every failure must reach the agreement, or the other ranks hang in it
-        _fail_everywhere(runtime, error)
-    if runtime.identity.distributed and not agree(True, runtime.device):
-        _fail_everywhere(runtime, None)
-    return value
-
-
-def _fail_everywhere(runtime: Runtime, error: Exception | None) -> NoReturn:
-    """Raise the lowest failing rank's DataError on every rank.
-
-    An unexpected exception (a bug, not bad data) keeps its traceback on the rank where it happened.
-    """
-    if error is not None and not runtime.identity.distributed:
-        raise error
-    if error is not None:
-        agree(False, runtime.device)
-    reports: list[str | None] = [None] * runtime.identity.world_size
-    dist.all_gather_object(reports, None if error is None else _describe(error, runtime))
-    if error is not None and not isinstance(error, DataError):
-        raise error
-    raise DataError(next(report for report in reports if report is not None))
-
-
-def _describe(error: Exception, runtime: Runtime) -> str:
-    where = f"rank {runtime.identity.rank} on {runtime.identity.hostname}"
-    if isinstance(error, DataError):
-        return f"{error} (seen by {where})"
-    return f"{where} failed while loading the data: {type(error).__name__}: {error}"
+    """Run step here, then agree: any rank's failure is raised on every rank, as a DataError."""
+    return agreed(runtime, step, DataError)
 
 
 def _check_same_sizes(runtime: Runtime, train_size: int, test_size: int, data_dir: str, defaulted: bool) -> None:

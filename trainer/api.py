@@ -1,0 +1,132 @@
+"""The Python API: ``trainer.run``, the code path of ``ddp-train`` and ``python -m trainer`` too.
+
+A user's script, started by any launcher exactly as ``trainer/main.py`` is::
+
+    import sys
+    import trainer
+    from forecast import Forecast
+
+    sys.exit(trainer.run(Forecast, epochs=5))    # command-line flags still apply, and win
+
+``run`` reads who this process is from the launcher's environment, joins the group, trains, always
+tears down, and returns the exit code the launcher should see (0, or one of trainer.errors' codes).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.build import build_training
+from trainer.checkpoint import CheckpointManager, Monitor
+from trainer.cli import dump_yaml, parse_config
+from trainer.config import Config
+from trainer.distributed import Runtime, choose_device, gather_to_main, process_group, threads_per_rank
+from trainer.env import identity_from_env
+from trainer.errors import (
+    EXIT_OK,
+    EXIT_PEER_LOST,
+    EXIT_PREEMPTED,
+    Preempted,
+    UserError,
+    first_line,
+    user_message,
+)
+from trainer.loop import Trainer
+from trainer.preemption import PreemptionWatcher
+from trainer.report import final_line, setup_logging, write_summary
+from trainer.task import TaskSpec
+
+# What gloo and NCCL say when a peer process is gone; such an error is the other rank's story, not this one's.
+PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|Connection refused|"
+                       r"NCCL communicator was aborted|Timed out waiting|timed out|DistNetworkError", re.IGNORECASE)
+
+
+def run(task: str | type | None = None, argv: Sequence[str] | None = None, **settings: Any) -> int:
+    """Train ``task`` (a task class, a built-in's name or ``package.module:Class``; None: from --task).
+
+    ``settings`` are config values as in the YAML file (``epochs=5``, ``optim={"lr": 0.01}``, a task's
+    options); the command line (``argv``, default sys.argv[1:]) overrides them. Returns the exit code.
+    """
+    rank = os.environ.get("RANK", "0")
+    prog = Path(sys.argv[0]).name if task is not None else "ddp-train"
+    try:
+        config, spec = parse_config(argv, task=task, settings=settings, prog=prog)
+        identity = identity_from_env(os.environ)
+        rank = str(identity.rank)
+        device = choose_device(config.dist, identity)
+        if device.type == "cpu":
+            torch.set_num_threads(threads_per_rank(config.dist, identity, dict(os.environ)))
+        with process_group(config.dist, identity, device) as runtime:
+            train(config, spec, runtime)
+        return EXIT_OK
+    except UserError as error:
+        print(f"[rank {rank}] error: {user_message(error)}", file=sys.stderr, flush=True)
+        return error.exit_code
+    except RuntimeError as error:
+        first = first_line(error)
+        if not (isinstance(error, torch.distributed.DistError) or PEER_LOST.search(first)):
+            raise
+        print(f"[rank {rank}] error: lost contact with another rank ({first[:300]}); it probably crashed or "
+              f"was stopped, and its own log says why. Checkpoints are intact; exiting with {EXIT_PEER_LOST} so "
+              f"the launcher can restart the job", file=sys.stderr, flush=True)
+        return EXIT_PEER_LOST
+    except Preempted as stopped:
+        print(f"[rank {rank}] {stopped}; exiting with {EXIT_PREEMPTED} so the launcher retries", file=sys.stderr,
+              flush=True)
+        return EXIT_PREEMPTED
+
+
+def train(config: Config, spec: TaskSpec, runtime: Runtime) -> dict[str, object]:
+    """One training run in a joined group: returns (and rank 0 writes) the summary."""
+    log = setup_logging(runtime.identity)
+    started = time.perf_counter()
+    output_dir = Path(config.output.output_dir)
+    if runtime.is_main:
+        log.info("config:\n%s", dump_yaml(config).rstrip())
+    log.info("%s; device %s, backend %s, %d threads; task %s", runtime.identity.describe(), runtime.device,
+             runtime.backend, torch.get_num_threads(), spec.describe())
+
+    watcher = PreemptionWatcher(config.checkpoint.grace_period_s, runtime.device, log)
+    watcher.install()  # before the slow parts, so an early SIGTERM is not lost
+    monitor = Monitor(getattr(spec.cls, "monitor", "loss"), getattr(spec.cls, "monitor_mode", "min"))
+    checkpoints = CheckpointManager(config.checkpoint, config.checkpoint_dir, runtime, log, monitor)
+    checkpoints.prepare()
+    setup = build_training(config, spec, runtime)
+    trainer = Trainer(config, runtime, setup, checkpoints, watcher, log)
+    try:
+        loaded = checkpoints.load(config.checkpoint.resume)
+        if loaded is not None:
+            trainer.restore(loaded)
+        if runtime.is_main:  # once the run is known to go ahead: a refused resume leaves the last one's
+            output_dir.mkdir(parents=True, exist_ok=True)
+            (output_dir / "config.yaml").write_text(dump_yaml(config))
+        samples_before = trainer.position.samples_seen
+        result = trainer.fit()
+    finally:
+        trainer.close()
+        watcher.uninstall()
+    wall_time_s = time.perf_counter() - started
+    summary = {
+        "task": spec.name,
+        "test_metrics": result,
+        **{f"test_{name}": value for name, value in result.items()},
+        "world_size": runtime.identity.world_size,
+        "ranks": gather_to_main(runtime.identity.to_dict(), runtime) or [],
+        "global_step": trainer.position.step,
+        "epochs_completed": trainer.position.epoch,
+        "resumed_from": trainer.resumed_from,
+        "wall_time_s": round(wall_time_s, 3),
+        "train_samples_per_s": round((trainer.position.samples_seen - samples_before) / wall_time_s, 1),
+    }
+    if runtime.is_main:
+        write_summary(output_dir, summary)
+        print(final_line(summary), flush=True)
+    return summary

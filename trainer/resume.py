@@ -1,0 +1,63 @@
+"""What a resume may change: each setting's ResumeRule (trainer.options), applied to a checkpoint.
+
+  allowed   more or fewer epochs, --max-steps, logging and output, checkpoint settings, timeouts,
+            device and backend, DataLoader workers, the evaluation batch size, the gradient-sync method,
+            the world size (the sample order is global), and task options marked so (--data-dir)
+  flagged   what changes the training itself: learning rate and schedule, batch size, gradient
+            accumulation, precision, seed, SyncBN, --max-train-samples, and task options marked so;
+            each must be named in --allow-resume-change
+  refused   another task, the optimizer, and the task's options that define what is trained (model,
+            dataset): the checkpoint is of something else
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from trainer.checkpoint import LoadedCheckpoint
+from trainer.config import SECTIONS, Config
+from trainer.errors import CheckpointError
+from trainer.options import ResumeRule, fields_of, flag_of, resume_rule
+from trainer.task import TaskSpec
+
+FIX = "use another --checkpoint-dir, or --resume none to start afresh (the checkpoints are kept)"
+
+
+def check_resume(loaded: LoadedCheckpoint, config: Config, spec: TaskSpec) -> list[str]:
+    """The changes this resume makes (to log); CheckpointError if one is refused or not allowed by flag."""
+    state = loaded.state
+    if state.task.name != spec.name:
+        raise CheckpointError(f"checkpoint {loaded.location} is of task {state.task.name!r} ({state.task.source}) but "
+                              f"this run trains {spec.name!r}; pass --task {state.task.source}, or {FIX}")
+    allowed = config.checkpoint.allowed_changes()
+    changes: list[tuple[str, Any, Any, ResumeRule]] = []
+    for section, kind in SECTIONS.items():
+        changes += _differences(state.config.get(section, {}), getattr(config, section), kind)
+    changes += _differences(state.task.options, config.task_options, type(config.task_options))
+    refused = [change for change in changes if change[3] is ResumeRule.REFUSE]
+    if refused:
+        name, saved, now, _ = refused[0]
+        raise CheckpointError(f"checkpoint {loaded.location} was trained with {flag_of(name)} {saved} and this run "
+                              f"asks for {now}, which a resume cannot change; pass {flag_of(name)} {saved}, or {FIX}")
+    unflagged = [change for change in changes if change[3] is ResumeRule.FLAG and change[0] not in allowed]
+    if unflagged:
+        listed = ", ".join(f"{flag_of(name)} {saved} -> {now}" for name, saved, now, _ in unflagged)
+        names = ",".join(name for name, *_ in unflagged)
+        raise CheckpointError(f"checkpoint {loaded.location}: this run changes {listed}, which changes the "
+                              f"training from here on; to resume so, pass --allow-resume-change {names}; or keep "
+                              f"the checkpoint's values, or {FIX}")
+    return [f"{flag_of(name)} {saved} -> {now}" for name, saved, now, _ in changes]
+
+
+def _differences(saved: Mapping[str, Any], current: Any, kind: type) -> list[tuple[str, Any, Any, ResumeRule]]:
+    """(name, saved value, current value, rule) for each field whose value changed; fields the checkpoint
+    does not have (added since) are not compared."""
+    if not dataclasses.is_dataclass(current):
+        return []
+    changed = []
+    for field in fields_of(kind):
+        if field.name in saved and saved[field.name] != getattr(current, field.name):
+            changed.append((field.name, saved[field.name], getattr(current, field.name), resume_rule(field)))
+    return changed
