@@ -29,7 +29,14 @@ import torch
 from bench.harness.context import Context
 from bench.harness.measure import load_average
 from bench.harness.results import FigureResult, Row
-from trainer.checkpoint import CheckpointManager
+from trainer.checkpoint import (
+    CheckpointManager,
+    TaskRecord,
+    Trainable,
+    TrainingPosition,
+    TrainingState,
+    capture,
+)
 from trainer.config import CheckpointConfig, DistConfig
 from trainer.distributed import Runtime, process_group
 from trainer.env import identity_from_env
@@ -38,14 +45,15 @@ from trainer.models import build_model
 TITLE = "Checkpointing"
 
 
-def training_state(model_name: str) -> dict[str, Any]:
-    """Model and AdamW state after one step (exp_avg and exp_avg_sq exist), as the trainer saves them."""
+def training_state(model_name: str) -> TrainingState:
+    """Model and AdamW state after one step (exp_avg and exp_avg_sq exist), captured as the trainer does."""
     torch.manual_seed(0)
     model = build_model(model_name, 3, (32, 32), 10)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(2, 3, 32, 32)).sum().backward()
     optimizer.step()
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "position": {"step": 1}}
+    parts = Trainable(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), TrainingPosition(step=1))
+    return capture(parts, TaskRecord("classification", "classification", {"model": model_name}), {}, 1)
 
 
 def _timed(action: Callable[[], object]) -> float:
@@ -80,7 +88,8 @@ def _torch_save_to_path(folder: Path, state: dict[str, Any]) -> None:
     path.unlink()
 
 
-def measure(name: str, state: dict[str, Any], folder: Path, runtime: Runtime, repeats: int) -> dict[str, Any]:
+def measure(name: str, typed: TrainingState, folder: Path, runtime: Runtime, repeats: int) -> dict[str, Any]:
+    state = typed.to_dict()
     buffer = io.BytesIO()
     torch.save(state, buffer)
     data = buffer.getvalue()
@@ -95,9 +104,10 @@ def measure(name: str, state: dict[str, Any], folder: Path, runtime: Runtime, re
                                                          "sha256", "torch_save_to_path_fsync")}
     for step in range(1, repeats + 1):  # interleaved: a slow moment of the machine hits every method alike
         times["raw_write_fsync"].append(_timed(lambda: _raw_write(folder, data)))
-        times["sync_save"].append(_timed(lambda step=step: sync.save(state, {"step": step})))
+        typed.position.step = step
+        times["sync_save"].append(_timed(lambda: sync.save(typed)))
         started = time.perf_counter()
-        background.save(state, {"step": step})
+        background.save(typed)
         times["async_blocked"].append(time.perf_counter() - started)
         background.finish()
         times["async_total"].append(time.perf_counter() - started)

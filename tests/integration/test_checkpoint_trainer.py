@@ -18,10 +18,10 @@ from tests.support.checkpoints import assert_same_tensors, newest_checkpoint, su
 from tests.support.preconditions import unavailable
 from tests.support.procs import run
 from trainer.checkpoint import open_storage, verify
-from trainer.config import Config
 from trainer.errors import EXIT_USAGE
 from trainer.main import main
 from trainer.models import build_model
+from trainer.tasks import ClassificationOptions
 
 # 1 process x 16 samples: 16 steps, a checkpoint every 2.
 COMMON = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "64", "--epochs", "1",
@@ -63,14 +63,16 @@ def checkpoints(reference: Path, tmp_path: Path) -> Path:
 
 def test_a_checkpoint_holds_the_full_state_and_its_model_loads_into_a_plain_model(reference):
     _, manifest, state = newest_checkpoint(reference)
-    assert set(state) == {"model", "optimizer", "scheduler", "scaler", "position", "rng", "config", "world_size",
+    assert set(state) == {"model", "optimizer", "grad_scaler", "position", "task", "rng", "config", "world_size",
                           "versions"}
     assert state["world_size"] == 1 and len(state["rng"]) == 1 and set(state["rng"][0]) >= {"python", "numpy", "torch"}
     assert state["position"]["step"] == manifest["step"] == 16 and state["optimizer"]["state"]
     assert {"torch", "torchvision", "trainer", "python"} <= set(state["versions"])
-    config = Config.from_dict(state["config"])
-    channels, height, width = config.data.synthetic_image_shape()
-    plain = build_model(config.model.model, channels, (height, width), config.data.synthetic_classes)
+    assert (state["task"]["name"], manifest["task"]) == ("classification", "classification")
+    assert set(manifest["metrics"]) == {"loss", "accuracy", "samples"}
+    options = ClassificationOptions(**state["task"]["options"])
+    channels, height, width = options.synthetic_image_shape()
+    plain = build_model(options.model, channels, (height, width), options.synthetic_classes)
     plain.load_state_dict(state["model"], strict=True)  # no "module." prefixes: DDP is not in the checkpoint
 
 
@@ -109,7 +111,7 @@ def test_a_checkpoint_of_another_model_exits_2_with_one_line_and_stays(checkpoin
     result = trainer(tmp_path, "--model", "lenet")
     assert result.returncode == EXIT_USAGE
     [line] = error_lines(result)
-    assert "holds a 'convnet' model but this run trains 'lenet'" in line
+    assert "was trained with --model convnet and this run asks for lenet, which a resume cannot change" in line
     assert checkpoint_bytes(checkpoints) == before
 
 
@@ -181,6 +183,6 @@ def test_an_fsspec_checkpoint_url_keeps_the_last_k_and_resumes_exactly(scheme, r
     assert summary(tmp_path)["resumed_from"] == f"{location}/step-00000006"
     storage = open_storage(location)
     assert storage.list_checkpoints() == ["step-00000016", "step-00000014"]
-    state = verify(storage, "step-00000016").state
+    state = verify(storage, "step-00000016").state.to_dict()
     assert_same_tensors({"model": state["model"], "optimizer": state["optimizer"], "position": state["position"]},
                         final_params(reference))

@@ -71,9 +71,9 @@ def test_three_plain_env_ranks_pass_and_rank_zero_writes_the_json_report(tmp_pat
 
 @pytest.mark.parametrize("op", ["all_gather", "gather"])
 def test_a_wrong_value_fails_every_rank_and_names_the_sending_rank_and_the_operation(op: str) -> None:
-    """--inject-fault 1:OP: rank 1 sends wrong data in OP. With gather only the root can tell, and it
-    must still run the gather to the next root, or the ranks fall out of step and time out."""
-    results = env_ranks([*QUICK, "--inject-fault", f"1:{op}"], 2, module="trainer.doctor", timeout_s=180)
+    """Rank 1 sends wrong data in OP (tests/workers/doctor_fault.py). With gather only the root can tell,
+    and it must still run the gather to the next root, or the ranks fall out of step and time out."""
+    results = env_ranks([f"1:{op}", *QUICK], 2, module="tests.workers.doctor_fault", timeout_s=180)
 
     where = "from rank 1" if op == "all_gather" else "at root 0, from rank 1"
     for rank, result in enumerate(results):
@@ -86,13 +86,19 @@ def test_a_wrong_value_fails_every_rank_and_names_the_sending_rank_and_the_opera
         assert row(table, "all", other, "ok"), f"{other} should still pass:\n{table}"
 
 
-def test_a_fault_on_a_rank_that_never_sends_in_that_operation_is_refused() -> None:
-    env = {"RANK": "1", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+def test_bad_flags_exit_2_with_one_line_naming_the_flag() -> None:
+    result = doctor("--sizes-mb", "1,-2")
 
-    result = doctor("--inject-fault", "1:broadcast", env=env)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == ("ddp-doctor: error: --sizes-mb '1,-2': expected positive sizes in MB separated "
+                                     "by commas, e.g. 0.25,1,16")
 
-    assert result.returncode == 2
-    assert "only the root sends data in broadcast, and the roots are ranks 0 or 2" in result.stderr
+
+def test_help_shows_the_doctors_own_collective_timeout() -> None:
+    result = doctor("--help")
+
+    assert result.returncode == 0 and "--collective-timeout-s" in result.stdout
+    assert "(default: 60.0)" in " ".join(result.stdout.split())
 
 
 def test_a_bad_launcher_environment_exits_2_with_one_line() -> None:

@@ -8,8 +8,7 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint import TaskRecord, TrainingState, open_storage, verify
-from trainer.position import TrainingPosition
+from trainer.checkpoint import TaskRecord, TrainingPosition, TrainingState, open_storage, verify
 
 
 def newest_checkpoint(checkpoint_dir: Path) -> tuple[str, dict[str, Any], dict[str, Any]]:

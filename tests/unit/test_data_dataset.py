@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from trainer.tasks import ClassificationOptions
 from trainer.build import first
 from trainer.data import ImageTensorDataset, collate_batch, load_datasets
 from trainer.distributed import Runtime
 from trainer.env import identity_from_env
+from trainer.tasks import ClassificationOptions as Options
 
 ONE_PROCESS = Runtime(identity_from_env({}), torch.device("cpu"), "gloo")
 
@@ -60,7 +60,7 @@ def test_mean_and_std_must_cover_every_channel() -> None:
 
 
 def synthetic(**overrides: object) -> tuple[ImageTensorDataset, ImageTensorDataset]:
-    config = ClassificationOptions(dataset="synthetic", **overrides)  # type: ignore[arg-type]
+    config = Options(dataset="synthetic", **overrides)  # type: ignore[arg-type]
     train, test, _ = load_datasets(config, ONE_PROCESS)
     return train, test
 
@@ -85,7 +85,7 @@ def test_synthetic_generation_leaves_the_global_rng_alone() -> None:
 
 @pytest.mark.parametrize("shape", ["1,28,28", "3,20,36", "5,1,1"])
 def test_synthetic_data_takes_any_shape(shape: str) -> None:
-    config = ClassificationOptions(dataset="synthetic", synthetic_shape=shape, synthetic_train_size=40, synthetic_test_size=20,
+    config = Options(dataset="synthetic", synthetic_shape=shape, synthetic_train_size=40, synthetic_test_size=20,
                         synthetic_classes=4)
     train, test, info = load_datasets(config, ONE_PROCESS)
     c, h, w = (int(part) for part in shape.split(","))

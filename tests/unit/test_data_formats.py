@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from tests.support.data_files import write_cifar_dataset, write_idx_dataset
-from trainer.tasks import ClassificationOptions
 from trainer.data import load_datasets
 from trainer.data.cifar import read_batch
 from trainer.data.idx import read_idx, read_images_and_labels, write_idx
 from trainer.distributed import Runtime
 from trainer.env import identity_from_env
 from trainer.errors import DataError
+from trainer.tasks import ClassificationOptions as Options
 
 ONE_PROCESS = Runtime(identity_from_env({}), torch.device("cpu"), "gloo")
 
@@ -80,7 +80,7 @@ def test_labels_beyond_the_classes_are_refused(tmp_path: Path) -> None:
 
 def test_cifar_batches_read_in_their_published_format(tmp_path: Path) -> None:
     batches = write_cifar_dataset(tmp_path / "cifar-10-batches-py", per_batch=4)
-    train, test, info = load_datasets(ClassificationOptions(dataset="cifar10", data_dir=str(tmp_path)), ONE_PROCESS)
+    train, test, info = load_datasets(Options(dataset="cifar10", data_dir=str(tmp_path)), ONE_PROCESS)
     assert (info.in_channels, info.image_size, len(train), len(test)) == (3, (32, 32), 20, 4)
     first = batches["data_batch_1"]
     # Row layout of the files: 1024 red values, then green, then blue, each 32x32 row by row.
@@ -130,7 +130,7 @@ def test_cifar_batch_of_the_wrong_shape_is_refused(tmp_path: Path) -> None:
 def test_idx_datasets_found_flat_or_in_torchvision_layout(tmp_path: Path, dataset: str, subfolder: str,
                                                           suffix: str) -> None:
     arrays = write_idx_dataset(tmp_path / subfolder, train_size=30, test_size=10, suffix=suffix)
-    train, test, info = load_datasets(ClassificationOptions(dataset=dataset, data_dir=str(tmp_path)), ONE_PROCESS)
+    train, test, info = load_datasets(Options(dataset=dataset, data_dir=str(tmp_path)), ONE_PROCESS)
     assert info.name == dataset
     assert torch.equal(train.images[:, 0], torch.from_numpy(arrays["train-images-idx3-ubyte"]))
     assert test.labels.tolist() == arrays["t10k-labels-idx1-ubyte"].tolist()
@@ -140,7 +140,7 @@ def test_plain_file_preferred_over_gzipped_copy(tmp_path: Path) -> None:
     """torchvision keeps both after extracting; the plain one needs no decompression."""
     write_idx_dataset(tmp_path, suffix="")
     (tmp_path / "t10k-labels-idx1-ubyte.gz").write_bytes(gzip.compress(b"damaged"))
-    _, test, _ = load_datasets(ClassificationOptions(data_dir=str(tmp_path)), ONE_PROCESS)
+    _, test, _ = load_datasets(Options(data_dir=str(tmp_path)), ONE_PROCESS)
     assert len(test) == 20
 
 
@@ -148,12 +148,12 @@ def test_missing_file_is_named(tmp_path: Path) -> None:
     write_idx_dataset(tmp_path / "FashionMNIST" / "raw")
     (tmp_path / "FashionMNIST" / "raw" / "t10k-labels-idx1-ubyte.gz").unlink()
     with pytest.raises(DataError, match="FashionMNIST/raw holds part of fashion-mnist but lacks t10k-labels-idx1"):
-        load_datasets(ClassificationOptions(data_dir=str(tmp_path)), ONE_PROCESS)
+        load_datasets(Options(data_dir=str(tmp_path)), ONE_PROCESS)
 
 
 def test_empty_folder_error_lists_the_files_and_suggests_download(tmp_path: Path) -> None:
     with pytest.raises(DataError) as caught:
-        load_datasets(ClassificationOptions(dataset="cifar10", data_dir=str(tmp_path)), ONE_PROCESS)
+        load_datasets(Options(dataset="cifar10", data_dir=str(tmp_path)), ONE_PROCESS)
     message = str(caught.value)
     assert f"--data-dir {tmp_path}: no cifar10 files" in message
     assert "data_batch_1" in message and f"{tmp_path}/cifar-10-batches-py" in message and "--download" in message
@@ -162,4 +162,4 @@ def test_empty_folder_error_lists_the_files_and_suggests_download(tmp_path: Path
 def test_nonexistent_folder_is_named(tmp_path: Path) -> None:
     missing = tmp_path / "nowhere"
     with pytest.raises(DataError, match=f"--data-dir {missing} does not exist"):
-        load_datasets(ClassificationOptions(dataset="mnist", data_dir=str(missing)), ONE_PROCESS)
+        load_datasets(Options(dataset="mnist", data_dir=str(missing)), ONE_PROCESS)

@@ -13,7 +13,6 @@ import torch
 
 from tests.support.data_files import write_idx_dataset
 from tests.support.preconditions import unavailable
-from trainer.tasks import ClassificationOptions
 from trainer.data import default_data_dir, load_datasets
 from trainer.data.catalog import IDX_FILES
 from trainer.data.idx import read_idx
@@ -21,6 +20,7 @@ from trainer.data.locate import SHIPPED_FASHION_MNIST, SYSTEM_FASHION_MNIST, cac
 from trainer.distributed import Runtime
 from trainer.env import identity_from_env
 from trainer.errors import DataError
+from trainer.tasks import ClassificationOptions as Options
 
 ONE_PROCESS = Runtime(identity_from_env({}), torch.device("cpu"), "gloo")
 
@@ -45,7 +45,7 @@ def test_other_datasets_need_a_data_dir(dataset: str) -> None:
 
 
 def test_shipped_subset_is_stratified_and_mixed() -> None:
-    train, test, info = load_datasets(ClassificationOptions(data_dir=str(SHIPPED_FASHION_MNIST)), ONE_PROCESS)
+    train, test, info = load_datasets(Options(data_dir=str(SHIPPED_FASHION_MNIST)), ONE_PROCESS)
     assert (len(train), len(test), info.name) == (5000, 1000, "fashion-mnist")
     assert train.labels.bincount().tolist() == [500] * 10 and test.labels.bincount().tolist() == [100] * 10
     assert len(set(train.labels[:50].tolist())) == 10  # --max-train-samples 50 still sees every class
@@ -57,7 +57,7 @@ def test_shipped_subset_holds_the_first_images_of_each_class_of_the_real_dataset
     full_labels = read_idx(SYSTEM_FASHION_MNIST / "t10k-labels-idx1-ubyte.gz", 1)
     full_images = read_idx(SYSTEM_FASHION_MNIST / "t10k-images-idx3-ubyte.gz", 3)
     keep = np.sort(np.concatenate([np.flatnonzero(full_labels == c)[:100] for c in range(10)]))
-    _, test, _ = load_datasets(ClassificationOptions(data_dir=str(SHIPPED_FASHION_MNIST)), ONE_PROCESS)
+    _, test, _ = load_datasets(Options(data_dir=str(SHIPPED_FASHION_MNIST)), ONE_PROCESS)
     assert torch.equal(test.images[:, 0], torch.from_numpy(full_images[keep]))
 
 
@@ -81,7 +81,7 @@ def upload(local: Path, url: str) -> None:
 def test_memory_url_is_fetched_into_the_cache_and_read(tmp_path: Path, memory_url: str) -> None:
     arrays = write_idx_dataset(tmp_path / "source" / "FashionMNIST" / "raw")
     upload(tmp_path / "source", memory_url)
-    config = ClassificationOptions(data_dir=memory_url, data_cache_dir=str(tmp_path / "cache"))
+    config = Options(data_dir=memory_url, data_cache_dir=str(tmp_path / "cache"))
     train, test, _ = load_datasets(config, ONE_PROCESS)
     assert torch.equal(train.images[:, 0], torch.from_numpy(arrays["train-images-idx3-ubyte"]))
     assert sorted(p.name for p in cache_folder(memory_url, str(tmp_path / "cache")).iterdir()) == sorted(
@@ -91,7 +91,7 @@ def test_memory_url_is_fetched_into_the_cache_and_read(tmp_path: Path, memory_ur
 def test_file_url_is_fetched_into_the_cache(tmp_path: Path) -> None:
     arrays = write_idx_dataset(tmp_path / "source", suffix="")
     url = (tmp_path / "source").as_uri()
-    train, _, info = load_datasets(ClassificationOptions(dataset="mnist", data_dir=url, data_cache_dir=str(tmp_path / "c")),
+    train, _, info = load_datasets(Options(dataset="mnist", data_dir=url, data_cache_dir=str(tmp_path / "c")),
                                    ONE_PROCESS)
     assert info.name == "mnist" and train.labels.tolist() == arrays["train-labels-idx1-ubyte"].tolist()
     assert cache_folder(url, str(tmp_path / "c")).is_dir()
@@ -100,7 +100,7 @@ def test_file_url_is_fetched_into_the_cache(tmp_path: Path) -> None:
 def test_cached_files_of_the_right_size_are_not_fetched_again(tmp_path: Path, memory_url: str) -> None:
     write_idx_dataset(tmp_path / "source")
     upload(tmp_path / "source", memory_url)
-    config = ClassificationOptions(data_dir=memory_url, data_cache_dir=str(tmp_path / "cache"))
+    config = Options(data_dir=memory_url, data_cache_dir=str(tmp_path / "cache"))
     load_datasets(config, ONE_PROCESS)
     cached = {p.name: p.stat().st_ino for p in cache_folder(memory_url, config.data_cache_dir).iterdir()}
     load_datasets(config, ONE_PROCESS)
@@ -115,7 +115,7 @@ def test_half_written_cache_from_a_crashed_fetch_is_replaced(tmp_path: Path, mem
     whole = (tmp_path / "source" / "train-images-idx3-ubyte.gz").read_bytes()
     (folder / "train-images-idx3-ubyte.gz").write_bytes(whole[: len(whole) // 2])
     (folder / ".train-labels-idx1-ubyte.gz.4242-0123abcd.part").write_bytes(b"partial")
-    train, _, _ = load_datasets(ClassificationOptions(data_dir=memory_url, data_cache_dir=str(tmp_path / "cache")), ONE_PROCESS)
+    train, _, _ = load_datasets(Options(data_dir=memory_url, data_cache_dir=str(tmp_path / "cache")), ONE_PROCESS)
     assert len(train) == 40
     assert (folder / "train-images-idx3-ubyte.gz").read_bytes() == whole
 
@@ -124,17 +124,17 @@ def test_url_without_the_dataset_is_an_error_naming_it(tmp_path: Path, memory_ur
     fsspec.filesystem("memory").pipe(f"{memory_url.removeprefix('memory://')}/README", b"nothing here")
     with pytest.raises(DataError, match=f"--data-dir {memory_url}: no fashion-mnist files; expected "
                                         "train-images-idx3-ubyte.*upload the dataset there"):
-        load_datasets(ClassificationOptions(data_dir=memory_url, data_cache_dir=str(tmp_path)), ONE_PROCESS)
+        load_datasets(Options(data_dir=memory_url, data_cache_dir=str(tmp_path)), ONE_PROCESS)
 
 
 def test_url_of_an_unknown_filesystem_is_an_error_naming_it(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="--data-dir nosuchfs://bucket/data: no filesystem for this URL.*install"):
-        load_datasets(ClassificationOptions(data_dir="nosuchfs://bucket/data", data_cache_dir=str(tmp_path)), ONE_PROCESS)
+        load_datasets(Options(data_dir="nosuchfs://bucket/data", data_cache_dir=str(tmp_path)), ONE_PROCESS)
 
 
 def test_download_into_a_url_is_refused(memory_url: str) -> None:
     with pytest.raises(DataError, match="--download writes into a local folder"):
-        load_datasets(ClassificationOptions(data_dir=memory_url, download=True), ONE_PROCESS)
+        load_datasets(Options(data_dir=memory_url, download=True), ONE_PROCESS)
 
 
 def test_each_url_has_its_own_readable_cache_folder() -> None:

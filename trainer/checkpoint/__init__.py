@@ -3,6 +3,8 @@
 from trainer.checkpoint.manager import CheckpointManager, InvalidCheckpoint, LoadedCheckpoint, Monitor, verify
 from trainer.checkpoint.schema import FORMAT, TaskRecord, Trainable, TrainingState, capture, restore
 from trainer.checkpoint.storage import CheckpointStorage, open_storage
+from trainer.position import TrainingPosition
 
 __all__ = ["FORMAT", "CheckpointManager", "CheckpointStorage", "InvalidCheckpoint", "LoadedCheckpoint", "Monitor",
-           "TaskRecord", "Trainable", "TrainingState", "capture", "open_storage", "restore", "verify"]
+           "TaskRecord", "Trainable", "TrainingPosition", "TrainingState", "capture", "open_storage", "restore",
+           "verify"]
