@@ -42,7 +42,8 @@ def trainer_config(source: str, plan: PodPlan, tmp_path: Path) -> Config:
     else:
         raise AssertionError(f"--config {mount_path} is on no volume of pod {plan.name}")
     (tmp_path / "config.yaml").write_text(text)
-    return parse_config(["--config", str(tmp_path / "config.yaml"), *args[args.index("--config") + 2:]])
+    config, _ = parse_config(["--config", str(tmp_path / "config.yaml"), *args[args.index("--config") + 2:]])
+    return config
 
 
 def test_kubectl_apply_on_the_folder_sends_the_job_its_config_and_its_volume():
