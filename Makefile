@@ -9,7 +9,7 @@ NPROC ?= 2
 EPOCHS ?= 3
 TRAIN_ARGS ?=
 
-.PHONY: help venv data train test test-fast lint doctor clean torchx-test
+.PHONY: help venv data train example test test-fast lint doctor clean torchx-test
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
@@ -36,6 +36,10 @@ data: ## install the full Fashion-MNIST from Debian when possible (else the ship
 train: venv data ## the main job: $(NPROC) CPU ranks on Fashion-MNIST, test accuracy and a checkpoint
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(NPROC) -m trainer \
 	  --epochs $(EPOCHS) --scale-lr --output-dir runs/main $(TRAIN_ARGS)
+
+example: venv ## the worked example (examples/forecast): $(NPROC) CPU ranks train a user's own task, not images
+	PYTHONPATH=examples/forecast/src OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(NPROC) \
+	  -m trainer --task forecast:Forecast --epochs 4 --batch-size 64 --lr 3e-3 --output-dir runs/example $(TRAIN_ARGS)
 
 test: venv ## lint, then the whole test suite (Docker tests run where an engine answers; .ci/run starts one)
 	$(BIN)/ruff check .

@@ -42,6 +42,7 @@ from trainer.errors import (
 from trainer.loop import Trainer
 from trainer.preemption import PreemptionWatcher
 from trainer.report import final_line, setup_logging, write_summary
+from trainer.resume import check_resume
 from trainer.task import TaskSpec
 
 # What gloo and NCCL say when a peer process is gone; such an error is the other rank's story, not this one's.
@@ -99,10 +100,14 @@ def train(config: Config, spec: TaskSpec, runtime: Runtime) -> dict[str, object]
     monitor = Monitor(getattr(spec.cls, "monitor", "loss"), getattr(spec.cls, "monitor_mode", "min"))
     checkpoints = CheckpointManager(config.checkpoint, config.checkpoint_dir, runtime, log, monitor)
     checkpoints.prepare()
+    # The checkpoint is read, and its fit to this run checked, before the data and model are built.
+    loaded = checkpoints.load(config.checkpoint.resume)
+    if loaded is not None:
+        for change in check_resume(loaded, config, spec):
+            log.info("resuming with a change: %s", change)
     setup = build_training(config, spec, runtime)
     trainer = Trainer(config, runtime, setup, checkpoints, watcher, log)
     try:
-        loaded = checkpoints.load(config.checkpoint.resume)
         if loaded is not None:
             trainer.restore(loaded)
         if runtime.is_main:  # once the run is known to go ahead: a refused resume leaves the last one's

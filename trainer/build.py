@@ -16,6 +16,7 @@ from trainer.config import Config
 from trainer.distributed import Runtime, agreed
 from trainer.errors import TaskError
 from trainer.gradsync import GradSync, build_grad_sync
+from trainer.items import checked_collate
 from trainer.optimizers import build_optimizer
 from trainer.preemption import ignore_stop_signals_in_worker
 from trainer.rng import seed_everything
@@ -96,10 +97,12 @@ def build_training(config: Config, spec: TaskSpec, runtime: Runtime) -> Training
     train_sampler = ResumableDistributedSampler(train_set, identity.world_size, identity.rank, seed)
     pin = device.type == "cuda"
     train_loader = build_loader(SeededItems(train_set, seed, data.deterministic_items), train_sampler,
-                                config.train.batch_size, workers, seed, pin, data.collate_fn)
+                                config.train.batch_size, workers, seed, pin,
+                                checked_collate(data.collate_fn, f"task {spec.describe()}: the training dataset"))
     eval_loader = build_loader(SeededItems(eval_set, seed, data.deterministic_items, epoch_offset=EVAL_EPOCH),
                                ShardSampler(eval_set, identity.world_size, identity.rank),
-                               config.train.eval_batch_size, workers, seed, pin, data.collate_fn)
+                               config.train.eval_batch_size, workers, seed, pin,
+                               checked_collate(data.collate_fn, f"task {spec.describe()}: the evaluation dataset"))
 
     # The same seed on every rank gives every rank the same initial weights; then each rank's own
     # stream for anything random during training (dropout).

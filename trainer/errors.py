@@ -32,8 +32,9 @@ def user_message(error: UserError) -> str:
     text = str(error).strip()
     if "Original Traceback" not in text:
         return text
-    last = text.splitlines()[-1]
-    return last.split(": ", 1)[1] if last.startswith(f"{type(error).__name__}: ") else last
+    last = text.splitlines()[-1]  # "trainer.errors.DataError: the message"
+    name, _, message = last.partition(": ")
+    return message if name.rsplit(".", 1)[-1] == type(error).__name__ else last
 
 
 class UserError(Exception):

@@ -60,9 +60,12 @@ class MetricSet:
                     values[name] = _number(name, metric.compute())
                 finally:
                     metric.sync_on_compute = sync
+        self.reset()
+        return values
+
+    def reset(self) -> None:
         for metric in [self.loss, *self.metrics.values()]:
             metric.reset()
-        return values
 
 
 def _all_reduce_states(metrics: list[Metric]) -> None:

@@ -10,18 +10,19 @@ random generators are restored afterwards.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, default_collate
+from torch.utils.data import DataLoader
 
 from trainer.build import TrainingSetup
 from trainer.distributed import Runtime, agreed
-from trainer.errors import TaskError, described
+from trainer.errors import TaskError
 from trainer.evaluation import MetricSet, detached
 from trainer.gradsync import unwrap
+from trainer.items import check_items
 from trainer.rng import isolated
 from trainer.sampler import SeededItems
 from trainer.task import batch_size, call_task, to_device
@@ -52,13 +53,9 @@ def _check_batch(setup: TrainingSetup, runtime: Runtime, split: str, loader: Dat
     assert isinstance(dataset, SeededItems)
     where = f"task {spec.describe()}: the {split} dataset"
     items = call_task(spec, f"the {split} dataset's __getitem__", lambda: dataset.__getitems__(keys))
-    collate: Callable[[Any], Any] = setup.data.collate_fn or default_collate
     if setup.data.collate_fn is None:
-        _check_items(where, items, [dataset.index(key) for key in keys])
-    try:
-        batch = collate(items)
-    except Exception as error:  # collate_fn is the task's, or torch's on the task's items
-        raise TaskError(f"{where}: its items do not form a batch ({described(error)})") from None
+        check_items(where, items, [dataset.index(key) for key in keys])
+    batch = loader.collate_fn(items)
     if not (isinstance(batch, Sequence) and len(batch) == 2):
         raise TaskError(f"{where}: a batch must be (inputs, targets), got {type(batch).__name__}")
     inputs, targets = to_device(batch[0], runtime.device), to_device(batch[1], runtime.device)
@@ -81,47 +78,3 @@ def _check_batch(setup: TrainingSetup, runtime: Runtime, split: str, loader: Dat
               lambda: metrics.update(loss.detach(), detached(outputs), targets))
     call_task(spec, "metrics (compute)", lambda: metrics.compute(runtime, reduce=False))
     batch_size(targets)  # targets from which the number of samples can be told
-
-
-def _check_items(where: str, items: Any, indices: list[int]) -> None:
-    """Each item an (inputs, targets) pair of tensors (or nested containers) shaped like the first item's."""
-    if not isinstance(items, list):
-        return  # a dataset that returns whole batches (__getitems__) has its own layout
-    reference = None
-    for item, index in zip(items, indices, strict=True):
-        if not (isinstance(item, list | tuple) and len(item) == 2):
-            raise TaskError(f"{where}: item {index} is a {type(item).__name__}; each item must be an "
-                            f"(inputs, targets) pair")
-        layout = _layout(item, f"item {index}")
-        if reference is None:
-            reference = (index, layout)
-        elif layout != reference[1]:
-            raise TaskError(f"{where}: item {index} has {_describe(layout)} but item {reference[0]} has "
-                            f"{_describe(reference[1])}; items of a batch must match (or give TaskData a "
-                            f"collate_fn)")
-
-
-def _layout(value: Any, where: str) -> Any:
-    if isinstance(value, Tensor):
-        return ("tensor", str(value.dtype).removeprefix("torch."), tuple(value.shape))
-    if isinstance(value, Mapping):
-        return ("dict", tuple(sorted((str(key), _layout(item, where)) for key, item in value.items())))
-    if isinstance(value, list | tuple):
-        return (type(value).__name__, tuple(_layout(item, where) for item in value))
-    if isinstance(value, int | float | bool):
-        return (type(value).__name__,)
-    if hasattr(value, "__array__"):
-        return ("array", str(getattr(value, "dtype", "")), tuple(getattr(value, "shape", ())))
-    raise TaskError(f"{where} holds a {type(value).__name__}; items may hold tensors, arrays, numbers and lists, "
-                    f"tuples or dicts of them")
-
-
-def _describe(layout: Any) -> str:
-    kind = layout[0]
-    if kind in ("tensor", "array"):
-        return f"a {layout[1]} {kind} of shape {list(layout[2])}"
-    if kind == "dict":
-        return "{" + ", ".join(f"{key}: {_describe(inner)}" for key, inner in layout[1]) + "}"
-    if kind in ("list", "tuple"):
-        return "(" + ", ".join(_describe(inner) for inner in layout[1]) + ")"
-    return f"a {kind}"

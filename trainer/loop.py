@@ -8,8 +8,10 @@ import math
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 from torch import nn
+from torch.utils.data import DataLoader
 
 from trainer.build import TrainingSetup
 from trainer.checkpoint import CheckpointManager, LoadedCheckpoint
@@ -24,7 +26,6 @@ from trainer.options import as_dict
 from trainer.position import TrainingPosition
 from trainer.preemption import PreemptionWatcher
 from trainer.report import MetricsWriter, ProgressDisplay
-from trainer.resume import check_resume
 from trainer.task import batch_size, to_device
 
 Metrics = dict[str, float]
@@ -58,9 +59,8 @@ class Trainer:
 
     # -- resume --------------------------------------------------------------------------------------------
     def restore(self, loaded: LoadedCheckpoint) -> None:
+        """Continue from a checkpoint that trainer.resume.check_resume accepted for this run."""
         state, identity = loaded.state, self.runtime.identity
-        for change in check_resume(loaded, self.config, self.setup.spec):
-            self.log.info("resuming with a change: %s", change)
         try:
             restore(state, self.parts, identity.rank, identity.world_size, self.config.train.seed)
         except (RuntimeError, ValueError, KeyError) as error:
@@ -115,6 +115,8 @@ class Trainer:
             per_batch = config.train.batch_size * world_size
             self.progress.start_epoch(epoch, config.train.epochs, math.ceil(math.ceil(train_size / per_batch) / accum),
                                       self.position.samples_in_epoch // per_batch // accum)
+            # A window of its own per epoch: the last one's tail is not counted, nor the evaluation between.
+            self.train_metrics.reset()
             window_started = time.perf_counter()
             batch_order = self._batch_order() if self._sample_log else None
             micro = 0
@@ -214,9 +216,25 @@ class Trainer:
         self._sample_log.flush()
 
     def close(self) -> None:
+        for loader in (self.setup.train_loader, self.setup.eval_loader):
+            stop_workers(loader)
         self.metrics.close()
         if self._sample_log is not None:
             self._sample_log.close()
+
+
+def stop_workers(loader: DataLoader[Any]) -> None:
+    """End a loader's persistent DataLoader workers now.
+
+    They ignore SIGTERM (see trainer.preemption), so the interpreter's exit, which terminates and then
+    joins them, would wait for ever if the loader were still alive then: after an error, the traceback
+    keeps it so. torch has no public call for this; its iterator's own shutdown is what deleting the
+    loader would run.
+    """
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+    loader._iterator = None
 
 
 def _values(values: Metrics) -> str:

@@ -15,11 +15,11 @@ import torch
 from trainer.env import DistIdentity
 
 
-def setup_logging(identity: DistIdentity, stream: TextIO = sys.stderr) -> logging.Logger:
+def setup_logging(identity: DistIdentity, stream: TextIO | None = None) -> logging.Logger:
     """One logger for the process; every line carries the rank, so interleaved logs stay readable."""
     log = logging.getLogger("trainer")
     log.handlers.clear()
-    handler = logging.StreamHandler(stream)
+    handler = logging.StreamHandler(stream or sys.stderr)  # the stream of now, not of import time
     handler.setFormatter(logging.Formatter(
         f"%(asctime)s [rank {identity.rank}/{identity.world_size}] %(levelname)s %(message)s", "%H:%M:%S"))
     log.addHandler(handler)
@@ -65,11 +65,11 @@ class MetricsWriter:
 class ProgressDisplay:
     """A tqdm bar on rank 0 when attached to a terminal (or forced on); plain periodic lines otherwise."""
 
-    def __init__(self, mode: str, enabled: bool, log: logging.Logger, stream: TextIO = sys.stderr) -> None:
+    def __init__(self, mode: str, enabled: bool, log: logging.Logger, stream: TextIO | None = None) -> None:
         self.log = log
         self.enabled = enabled
-        self.use_bar = enabled and (mode == "on" or (mode == "auto" and stream.isatty()))
-        self.stream = stream
+        self.stream = stream or sys.stderr
+        self.use_bar = enabled and (mode == "on" or (mode == "auto" and self.stream.isatty()))
         self._bar: Any = None
 
     def start_epoch(self, epoch: int, epochs: int, total_steps: int, done_steps: int) -> None:

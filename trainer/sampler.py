@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, DistributedSampler, get_worker_info
 
+from trainer.items import Fetched
 from trainer.rng import isolated, seed_item
 
 EVAL_EPOCH = -1  # the evaluation set's items are seeded as an epoch of their own
@@ -125,4 +126,4 @@ class SeededItems(Dataset[Any]):
     def __getitems__(self, keys: list[int]) -> Any:
         if self._batched is not None:  # a batch at a time (ImageTensorDataset): one lookup, not one per item
             return self._batched([key % self.size for key in keys])
-        return [self[key] for key in keys]
+        return Fetched([self[key] for key in keys], [key % self.size for key in keys])

@@ -30,7 +30,7 @@ from tests.support.procs import REPO_ROOT
 pytestmark = pytest.mark.slow
 
 IMAGE = os.environ.get("IMAGE", "ddp-deploy:latest")
-DOCKERFILES = [REPO_ROOT / "docker" / "Dockerfile"]
+DOCKERFILES = [REPO_ROOT / "docker" / "Dockerfile", REPO_ROOT / "examples" / "forecast" / "Dockerfile"]
 RUN_DIR = "/workspace/runs/compose"  # --output-dir runs/${RUN_NAME:-compose} under the image's WORKDIR
 # Fashion-MNIST shipped in the package: 2 nodes x 2 ranks x 32 samples, 16 steps per epoch.
 SHORT_RUN = {"NODES": "2", "RANKS_PER_NODE": "2", "DATASET": "fashion-mnist", "EPOCHS": "1",

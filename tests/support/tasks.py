@@ -1,0 +1,93 @@
+"""A second user task, unlike the built-in and the example: token sequences classified by a bag of embeddings.
+
+It exercises what a user's task may do and the trainer must carry exactly: inputs that are a dict of
+tensors, targets that are Python ints, random augmentation with both NumPy and torch inside
+``__getitem__`` (DataLoader workers included), dropout in the model, and a torchmetrics metric next to
+one of the trainer's. Used as ``--task tests.support.tasks:TokenTask``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torchmetrics
+from torch import nn
+from torch.utils.data import Dataset
+
+from trainer.metrics import Accuracy
+from trainer.options import ResumeRule, option
+from trainer.task import Task, TaskContext, TaskData
+
+MASK = 0  # the token a masked position becomes
+
+
+@dataclass
+class TokenOptions:
+    vocab: int = option(64, "tokens in the vocabulary", resume=ResumeRule.REFUSE)
+    length: int = option(12, "tokens per sequence", resume=ResumeRule.REFUSE)
+    classes: int = option(4, "classes", resume=ResumeRule.REFUSE)
+    train_size: int = option(384, "training sequences", resume=ResumeRule.REFUSE)
+    eval_size: int = option(96, "evaluation sequences", resume=ResumeRule.REFUSE)
+    mask_prob: float = option(0.15, "share of tokens masked at random in each training item", resume=ResumeRule.FLAG)
+
+
+class TokenSequences(Dataset[tuple[dict[str, torch.Tensor], int]]):
+    """Each class has its own signal tokens; a sequence holds a few of its class's among random ones."""
+
+    def __init__(self, options: TokenOptions, size: int, seed: int, augment: bool) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.labels = torch.randint(0, options.classes, (size,), generator=generator)
+        self.tokens = torch.randint(1, options.vocab, (size, options.length), generator=generator)
+        signal = 1 + self.labels * 3  # tokens 1-3 for class 0, 4-6 for class 1, ...
+        self.tokens[:, :3] = signal.view(-1, 1) + torch.arange(3)
+        self.tokens = self.tokens[:, torch.randperm(options.length, generator=generator)]
+        self.mask_prob = options.mask_prob if augment else 0.0
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[dict[str, torch.Tensor], int]:
+        tokens = self.tokens[index].clone()
+        if self.mask_prob:
+            masked = torch.from_numpy(np.random.random(len(tokens)) < self.mask_prob)  # NumPy's generator
+            tokens[masked] = MASK
+            tokens[torch.rand(len(tokens)) < self.mask_prob / 4] = int(torch.randint(1, 8, ()))  # torch's
+        return {"tokens": tokens, "present": tokens != MASK}, int(self.labels[index])
+
+
+class BagOfEmbeddings(nn.Module):
+    def __init__(self, vocab: int, classes: int, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.dropout = nn.Dropout(0.2)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        present = batch["present"].unsqueeze(-1).float()
+        pooled = (self.embed(batch["tokens"]) * present).sum(1) / present.sum(1).clamp_min(1)
+        return self.head(self.dropout(pooled))
+
+
+class TokenTask(Task[TokenOptions]):
+    name = "tokens"
+    Options = TokenOptions
+    monitor, monitor_mode = "macro_f1", "max"
+
+    def datasets(self, context: TaskContext) -> TaskData:
+        o = self.options
+        return TaskData(TokenSequences(o, o.train_size, seed=11, augment=True),
+                        TokenSequences(o, o.eval_size, seed=12, augment=False))
+
+    def model(self, data: TaskData) -> nn.Module:
+        return BagOfEmbeddings(self.options.vocab, self.options.classes)
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(outputs.float(), targets, label_smoothing=0.05)
+
+    def metrics(self) -> Mapping[str, Any]:
+        return {"accuracy": Accuracy(),
+                "macro_f1": torchmetrics.classification.MulticlassF1Score(self.options.classes, average="macro")}
