@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -10,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from trainer.config import Config
@@ -26,6 +28,7 @@ from trainer.syncbn import convert_sync_batchnorm
 from trainer.task import TaskContext, TaskData, TaskSpec, call_task, check_metrics
 
 MAX_AUTO_WORKERS = 4
+log = logging.getLogger("trainer")
 
 
 @dataclass
@@ -110,6 +113,10 @@ def build_training(config: Config, spec: TaskSpec, runtime: Runtime) -> Training
     model = agreed(runtime, lambda: _task_model(spec, task, data), TaskError)
     if config.model.sync_bn and identity.world_size > 1:
         model = convert_sync_batchnorm(model, device)
+        layers = sum(isinstance(module, _BatchNorm) for module in model.modules())
+        if identity.is_main:
+            log.info("--sync-bn: %d BatchNorm layer(s) of the model synchronised across %d ranks", layers,
+                     identity.world_size)
     model = model.to(device)
     seed_everything(seed + identity.rank)
 

@@ -3,7 +3,6 @@ across the two segments, every sample of the epoch is seen exactly once, in the 
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 
 from tests.support.checkpoints import summary
 from tests.support.procs import run, torchrun
+from tests.support.sample_logs import global_order
 from trainer.sampler import ResumableDistributedSampler
 
 SIZE, BATCH, STOP_AT = 240, 8, 6  # 240 divides evenly for 1, 2 and 3 ranks: no padding to discount
@@ -22,17 +22,6 @@ def launch(nproc: int, output: Path, *extra: str) -> None:
     args = [*ARGS, "--output-dir", str(output), *extra]
     result = torchrun(args, nproc=nproc) if nproc > 1 else run([sys.executable, "-m", "trainer", *args])
     assert result.returncode == 0, result.stderr[-3000:]
-
-
-def global_order(output: Path, world_size: int, first_step: int, last_step: int) -> list[int]:
-    """Rebuild the global order of one segment from its ranks' sample logs (rank r takes every W-th)."""
-    per_rank = []
-    for rank in range(world_size):
-        records = [json.loads(line) for line in (output / f"samples-rank{rank}.jsonl").read_text().splitlines()]
-        per_rank.append([index for record in records if first_step <= record["step"] < last_step
-                         for index in record["indices"]])
-    assert len({len(indices) for indices in per_rank}) == 1, "ranks consumed different numbers of samples"
-    return [indices[i] for i in range(len(per_rank[0])) for indices in per_rank]
 
 
 @pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2), (2, 3)])
