@@ -97,6 +97,9 @@ def build_training(config: Config, spec: TaskSpec, runtime: Runtime) -> Training
     eval_set = first(data.eval, config.data.max_test_samples)
 
     workers = loader_workers(config.data.num_workers, data.in_memory, identity.local_world_size)
+    if identity.is_main:
+        log.info("data: %d training and %d evaluation samples; %d DataLoader worker(s) per rank (--num-workers %s)",
+                 len(train_set), len(eval_set), workers, config.data.num_workers)  # type: ignore[arg-type]
     train_sampler = ResumableDistributedSampler(train_set, identity.world_size, identity.rank, seed)
     pin = device.type == "cuda"
     train_loader = build_loader(SeededItems(train_set, seed, data.deterministic_items), train_sampler,

@@ -1,4 +1,4 @@
-"""Small datasets written in the real on-disk formats (IDX, CIFAR-10 python batches), for the data tests."""
+"""Small datasets written in the real on-disk formats (IDX, CIFAR-10 python batches, JPEG/PNG folders)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import struct
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from trainer.data.catalog import IDX_FILES
 from trainer.data.cifar import TEST_BATCH, TRAIN_BATCHES
@@ -69,3 +70,19 @@ def write_cifar_dataset(folder: Path, per_batch: int = 6, seed: int = 0) -> dict
         (folder / name).write_bytes(python2_pickle(batch))
         batches[name] = batch
     return batches
+
+
+def write_image_folder(root: Path, classes: dict[str, int], size: tuple[int, int] = (20, 28), seed: int = 0,
+                       fmt: str = "jpg") -> None:
+    """root/<class>/<n>.<fmt>: small RGB images; class k is bright in channel k % 3. Real JPEG or PNG files."""
+    from PIL import Image
+
+    generator = torch.Generator().manual_seed(seed)
+    for number, (name, count) in enumerate(sorted(classes.items())):
+        folder = root / name
+        folder.mkdir(parents=True, exist_ok=True)
+        for index in range(count):
+            base = torch.zeros(3, *size)
+            base[number % 3] = 160 + 40 * (number // 3)
+            pixels = (base + 30 * torch.rand(3, *size, generator=generator)).clamp(0, 255).to(torch.uint8)
+            Image.fromarray(pixels.permute(1, 2, 0).numpy()).save(folder / f"{index:03d}.{fmt}")
