@@ -14,10 +14,12 @@ TRAIN_ARGS ?=
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
 
-$(BIN)/ddp-train: pyproject.toml
+# The example's package too, as its image has it: the Kubernetes and TorchX tests run it from this venv.
+$(BIN)/ddp-train: pyproject.toml examples/forecast/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet --no-deps -e examples/forecast
 	@touch $@
 
 venv: $(BIN)/ddp-train ## create .venv with the trainer and the test tools
@@ -38,7 +40,7 @@ train: venv data ## the main job: $(NPROC) CPU ranks on Fashion-MNIST, test accu
 	  --epochs $(EPOCHS) --scale-lr --output-dir runs/main $(TRAIN_ARGS)
 
 example: venv ## the worked example (examples/forecast): $(NPROC) CPU ranks train a user's own task, not images
-	PYTHONPATH=examples/forecast/src OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(NPROC) \
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(NPROC) \
 	  -m trainer --task forecast:Forecast --epochs 4 --batch-size 64 --lr 3e-3 --output-dir runs/example $(TRAIN_ARGS)
 
 test: venv ## lint, then the whole test suite (Docker tests run where an engine answers; .ci/run starts one)

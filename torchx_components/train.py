@@ -3,6 +3,7 @@
 
     torchx run torchx_components/train.py:ddp -j 2x2 -- --epochs 3
     torchx run -s kubernetes torchx_components/train.py:ddp -j 2x2 --checkpoint_volume ckpt -- --epochs 3
+    torchx run torchx_components/train.py:ddp --task forecast:Forecast --image ddp-forecast -- --window 32
 
 TorchX reads this file in its own way, and that shapes it:
 
@@ -26,6 +27,7 @@ _RUNS_MOUNT = "/workspace/runs"  # owned by the image's user (uid 1000), so a fr
 
 def ddp(
     *script_args: str,
+    task: Optional[str] = None,
     image: str = _IMAGE,
     script: Optional[str] = None,
     j: str = "1x2",
@@ -50,6 +52,9 @@ def ddp(
 
     Args:
         script_args: trainer flags, e.g. ``--epochs 3 --batch-size 64`` (not ``--output-dir``: use --output_dir)
+        task: what to train: a built-in task, or your task class as package.module:Class, installed in the
+            image (an image derived from ours) or, with local_cwd, in this environment or on PYTHONPATH
+            (--env PYTHONPATH=...); its options go after ``--`` like the trainer's flags
         image: container image with the trainer installed (Kubernetes, local_docker; local_cwd runs the
             current directory)
         script: run this script instead of ``-m trainer``, e.g. trainer/main.py (relative to the working directory)
@@ -76,6 +81,8 @@ def ddp(
     """
     if max_restarts < 0:
         raise ValueError(f"--max_restarts {max_restarts}: use 0 (no restarts) or more")
+    if task and any(arg == "--task" or arg.startswith("--task=") for arg in script_args):
+        raise ValueError("--task given twice: once to the component and once after --; keep the component's")
     if any(arg == "--output-dir" or arg.startswith("--output-dir=") for arg in script_args):
         raise ValueError(
             "--output-dir given to the trainer: set the component's --output_dir instead, which keeps "
@@ -93,7 +100,9 @@ def ddp(
     # torchrun reads each of its options from PET_<OPTION> when the command line does not give it,
     # and dist.ddp's command line has no --max-restarts.
     job_env = {"PYTHONUNBUFFERED": "1", "PET_MAX_RESTARTS": str(max_restarts), **(env or {})}
+    task_args = ["--task", task] if task else []
     return _dist_ddp(
+        *task_args,
         "--output-dir",
         output_dir,
         *script_args,

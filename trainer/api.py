@@ -6,7 +6,7 @@ A user's script, started by any launcher exactly as ``trainer/main.py`` is::
     import trainer
     from forecast import Forecast
 
-    sys.exit(trainer.run(Forecast, epochs=5))    # command-line flags still apply, and win
+    sys.exit(trainer.run(Forecast, epochs=5))    # --config and command-line flags still apply, and win
 
 ``run`` reads who this process is from the launcher's environment, joins the group, trains, always
 tears down, and returns the exit code the launcher should see (0, or one of trainer.errors' codes).
@@ -54,7 +54,8 @@ def run(task: str | type | None = None, argv: Sequence[str] | None = None, **set
     """Train ``task`` (a task class, a built-in's name or ``package.module:Class``; None: from --task).
 
     ``settings`` are config values as in the YAML file (``epochs=5``, ``optim={"lr": 0.01}``, a task's
-    options); the command line (``argv``, default sys.argv[1:]) overrides them. Returns the exit code.
+    options): the script's defaults, which a --config file and then the command line (``argv``, default
+    sys.argv[1:]) override. Returns the exit code.
     """
     rank = os.environ.get("RANK", "0")
     prog = Path(sys.argv[0]).name if task is not None else "ddp-train"

@@ -1,8 +1,9 @@
 """Command line and config file: one flag per config field and per option of the task, YAML underneath.
 
-Values are taken in this order, each over the one before: the defaults, the YAML file (--config), the
-settings a script passes to trainer.run, then the flags typed. The task is known first (from --task,
-the YAML file or the script), because its options are flags too.
+Values are taken in this order, each over the one before: the defaults, the settings a script passes to
+trainer.run (its own defaults), the YAML file (--config: this run's, a Kubernetes ConfigMap), then the
+flags typed. The task is known first (from --task, the YAML file or the script), because its options
+are flags too.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from trainer.tasks import TASKS
 TASK_SECTION = "task"
 
 
-def build_parser(spec: TaskSpec, prog: str = "ddp-train", task_fixed: bool = False) -> argparse.ArgumentParser:
+def build_parser(spec: TaskSpec, prog: str = "ddp-train", task_fixed: bool = False,
+                 underneath: Config | None = None) -> argparse.ArgumentParser:
+    """``underneath``: the config before flags (defaults, file, settings), whose values --help shows."""
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Data-parallel training on CPU or GPU, under any launcher. Flags override values from --config.",
@@ -34,9 +37,16 @@ def build_parser(spec: TaskSpec, prog: str = "ddp-train", task_fixed: bool = Fal
                             help=f"what to train: a built-in task ({TASKS.describe()}) or a task class as "
                                  f"package.module:Class (default: {DEFAULT_TASK})")
     for section, kind in SECTIONS.items():
-        add_flags(parser.add_argument_group(section), kind)
-    add_flags(parser.add_argument_group(f"task {spec.describe()}"), spec.options_type)
+        add_flags(parser.add_argument_group(section), kind, _values(underneath, section))
+    add_flags(parser.add_argument_group(f"task {spec.describe()}"), spec.options_type,
+              _values(underneath, TASK_SECTION))
     return parser
+
+
+def _values(config: Config | None, section: str) -> dict[str, Any] | None:
+    if config is None:
+        return None
+    return {key: value for key, value in config.to_dict()[section].items() if key != "name"}
 
 
 def parse_config(argv: Sequence[str] | None = None, task: str | type | None = None,
@@ -44,10 +54,11 @@ def parse_config(argv: Sequence[str] | None = None, task: str | type | None = No
     """The validated config and the task it trains; ``task`` fixes the task (a script's own)."""
     known, _ = _pre_parser(task is not None).parse_known_args(argv)
     file_values = load_yaml(known.config) if known.config else {}
-    values = _merged(file_values, dict(settings or {}))
+    values = _merged(dict(settings or {}), file_values)
     spec = resolve(_task_source(task, getattr(known, "task", None), values), TASKS)
     _check_option_names(spec)
-    given = vars(build_parser(spec, prog, task_fixed=task is not None).parse_args(argv))
+    underneath = config_from_values(spec, values)
+    given = vars(build_parser(spec, prog, task_fixed=task is not None, underneath=underneath).parse_args(argv))
     given.pop("config", None)
     given.pop("task", None)
     return config_from_values(spec, values, given), spec
@@ -91,11 +102,22 @@ def _task_source(fixed: str | type | None, flag: str | None, values: Mapping[str
     named = values.get(TASK_SECTION)
     in_file = named.get("name") if isinstance(named, Mapping) else named
     if fixed is not None:
-        if in_file is not None and in_file != fixed and not (isinstance(fixed, type) and in_file == fixed.name):
+        if in_file is not None and not _same_task(in_file, fixed):
             raise ConfigError(f"the config names task {in_file!r}, but this script trains its own task; remove "
-                              f"'task' from the config")
+                              f"the name from the config's 'task' section")
         return fixed
     return flag or in_file or DEFAULT_TASK
+
+
+def _same_task(named: str, fixed: str | type) -> bool:
+    """Whether a config's task name means the script's task (its name, or an import path to it)."""
+    fixed_cls = resolve(fixed, TASKS).cls
+    if named == fixed_cls.name:
+        return True
+    try:
+        return resolve(named, TASKS).cls is fixed_cls
+    except TaskError:
+        return False
 
 
 def _check_option_names(spec: TaskSpec) -> None:
@@ -120,10 +142,10 @@ def _place(nested: dict[str, dict[str, Any]], owner: Mapping[str, str], key: str
     nested[section][name] = value
 
 
-def _merged(file_values: Mapping[str, Any], settings: Mapping[str, Any]) -> dict[str, Any]:
-    """The file's values with the script's settings on top; both may mix sections and flat keys."""
-    merged = dict(file_values)
-    for key, value in settings.items():
+def _merged(below: Mapping[str, Any], above: Mapping[str, Any]) -> dict[str, Any]:
+    """``above`` over ``below``; both may mix sections and flat keys."""
+    merged = dict(below)
+    for key, value in above.items():
         if key in merged and isinstance(merged[key], Mapping) and isinstance(value, Mapping):
             merged[key] = {**merged[key], **value}
         elif key == TASK_SECTION and isinstance(merged.get(key), Mapping) and isinstance(value, str):

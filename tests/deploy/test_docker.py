@@ -30,6 +30,7 @@ from tests.support.procs import REPO_ROOT
 pytestmark = pytest.mark.slow
 
 IMAGE = os.environ.get("IMAGE", "ddp-deploy:latest")
+EXAMPLE_IMAGE = os.environ.get("EXAMPLE_IMAGE", "ddp-forecast:latest")  # examples/forecast/Dockerfile
 DOCKERFILES = [REPO_ROOT / "docker" / "Dockerfile", REPO_ROOT / "examples" / "forecast" / "Dockerfile"]
 RUN_DIR = "/workspace/runs/compose"  # --output-dir runs/${RUN_NAME:-compose} under the image's WORKDIR
 # Fashion-MNIST shipped in the package: 2 nodes x 2 ranks x 32 samples, 16 steps per epoch.
@@ -199,7 +200,8 @@ def test_compose_defaults_give_two_nodes_of_two_ranks_safely_configured(tmp_path
     assert "ports" not in node, "nothing is published to the host"
     assert int(node["shm_size"]) >= 256 * 2**20, "Docker's 64 MB /dev/shm kills DataLoader workers"
     assert node["environment"]["OMP_NUM_THREADS"] == "1"
-    assert {mount["source"] for mount in node["volumes"] if mount["type"] == "volume"} == {"runs", "data"}
+    assert {mount["source"] for mount in node["volumes"] if mount["type"] == "volume"} == {"runs", "data", "user-code"}
+    assert [mount["read_only"] for mount in node["volumes"] if mount["target"] == "/workspace/user"] == [True]
 
 
 def test_env_example_lists_every_compose_setting_with_its_default(tmp_path):
@@ -338,3 +340,27 @@ def test_a_crashed_node_restarted_by_its_policy_rejoins_and_the_run_finishes_fro
     assert final["world_size"] == 4 and sorted(rank["rank"] for rank in final["ranks"]) == [0, 1, 2, 3]
     _, manifest, _ = newest_checkpoint(run_dir / "checkpoints")
     assert final["epochs_completed"] == 2 and (manifest["epoch"], manifest["step"]) == (2, final["global_step"])
+
+
+# The worked example (examples/forecast) as a user brings it to Compose: an image derived from ours running
+# the example's own script (trainer.run), or our image with the package's folder mounted on PYTHONPATH.
+EXAMPLE_FLAGS = "--train-series=8 --eval-series=4 --length=48 --window=16"
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("how", ["derived image, own script", "our image, mounted folder"])
+def test_the_example_task_trains_under_compose(how, project, tmp_path):
+    if how.startswith("derived") and docker("image", "inspect", EXAMPLE_IMAGE).returncode != 0:
+        unavailable(f"the image {EXAMPLE_IMAGE} is not built (bash .ci/docker-setup.sh builds it)")
+    run = {"NODES": "2", "RANKS_PER_NODE": "1", "EPOCHS": "1", "BATCH_SIZE": "16"}
+    if how.startswith("derived"):
+        settings = {"IMAGE": EXAMPLE_IMAGE, "ENTRY": "-m forecast.train", "TASK_FLAGS": EXAMPLE_FLAGS}
+    else:
+        settings = {"USER_CODE": str(REPO_ROOT / "examples" / "forecast" / "src"),
+                    "TASK_FLAGS": f"--task=forecast:Forecast {EXAMPLE_FLAGS}"}
+    result = project.up(**run, **settings)
+    codes = project.exit_codes()
+    assert set(codes.values()) == {0}, f"exit codes {codes}\n{result.stdout[-6000:]}{result.stderr[-2000:]}"
+    final = summary(project.copy_runs(tmp_path))
+    assert (final["task"], final["world_size"], final["test_samples"]) == ("forecast", 2, 128)
+    assert f"final test mae {final['test_mae']:.4f}, r2 {final['test_r2']:.4f}" in result.stdout

@@ -32,7 +32,7 @@ from tests.support.preconditions import unavailable
 pytestmark = pytest.mark.slow
 
 PYTORCHJOB_SOURCES = ("k8s", "k8s/overlays/kind", "k8s/overlays/elastic", "k8s/overlays/gpu-single-node",
-                      "k8s/overlays/gpu-multi-node")
+                      "k8s/overlays/gpu-multi-node", "k8s/overlays/example")
 CONFIG_MAP, CONFIG_KEY, CLAIM = "ddp-train-config", "config.yaml", "ddp-train-storage"
 SHORT_RUN = {"train": {"epochs": 1}, "data": {"max_train_samples": 512, "max_test_samples": 256}}
 WITHOUT_GPUS = {"dist": {"device": "cpu", "backend": "gloo"}}
@@ -112,7 +112,7 @@ def test_job_trains_to_the_end_with_every_rank_of_every_pod(source, tmp_path):
 
 
 @pytest.mark.docker
-@pytest.mark.parametrize("source", ("k8s", "k8s/overlays/elastic"))
+@pytest.mark.parametrize("source", ("k8s", "k8s/overlays/elastic", "k8s/overlays/example"))
 def test_job_trains_with_every_rank_in_containers_of_its_image(source, tmp_path):
     trains_with_every_rank(source, as_containers, tmp_path)
 

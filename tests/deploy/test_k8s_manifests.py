@@ -117,7 +117,7 @@ def test_restart_policy_matches_what_the_command_exits_with(source):
     job = job_of(source)
     for rtype, replica in job["spec"]["pytorchReplicaSpecs"].items():
         (container,) = [c for c in replica["template"]["spec"]["containers"] if c["name"] == CONTAINER]
-        if container["command"] == ["ddp-train"]:
+        if container["command"] in (["ddp-train"], ["python", "-m", "forecast.train"]):  # trainer.run
             # The trainer's own codes: 143 after a preemption checkpoint is retried, bad input is not.
             assert replica["restartPolicy"] == "ExitCode", rtype
             assert job["spec"]["nprocPerNode"] == "1", "the trainer started directly runs one process per pod"

@@ -151,6 +151,18 @@ def test_image_script_and_restarts_can_be_overridden():
     assert (role.env["PET_MAX_RESTARTS"], role.env["LOGLEVEL"]) == ("0", "INFO")
 
 
+def test_a_users_task_reaches_the_trainer_in_the_derived_image():
+    job = kubernetes_dry_run("--workspace", "", "-cfg", "queue=default", COMPONENT, "-j", "2x1", "--task",
+                             "forecast:Forecast", "--image", "registry.example.com/ddp-forecast:1.0", "--",
+                             "--window", "24")
+    for container in containers(job):
+        assert container["image"] == "registry.example.com/ddp-forecast:1.0"
+        assert torchrun_command(container)[1] == ["-m", "trainer", "--task", "forecast:Forecast", "--output-dir",
+                                                  "runs/torchx", "--window", "24"]
+    with pytest.raises(ValueError, match="--task given twice"):
+        ddp("--task", "classification", task="forecast:Forecast")
+
+
 def test_an_output_dir_off_the_checkpoint_volume_is_refused():
     with pytest.raises(ValueError, match="outside /workspace/runs.*use runs/NAME"):
         ddp(checkpoint_volume="ckpt", output_dir="/tmp/out")
@@ -240,3 +252,25 @@ def test_a_killed_worker_is_restarted_by_torchrun_and_the_job_resumes_from_the_c
     assert final["global_step"] == 2 * 4096 // (2 * 8) and final["test_accuracy"] > 0.5
     name, manifest, _ = newest_checkpoint(tmp_path / "out" / "checkpoints")
     assert name == f"step-{final['global_step']:08d}"
+
+
+# The worked example (examples/forecast, installed in this venv as in its image) through TorchX: the
+# component's --task, and the example's own script (trainer.run) under TorchX's dist.ddp.
+EXAMPLE_ARGS = ["--epochs", "1", "--train-series", "8", "--eval-series", "4", "--length", "48", "--window", "16",
+                "--batch-size", "16", "--progress", "off", "--no-tensorboard"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["component --task", "dist.ddp -m script"])
+def test_the_example_task_trains_under_torchx(how, tmp_path):
+    logs, port = f"log_dir={tmp_path / 'logs'}", str(free_port())
+    if how == "component --task":
+        result = torchx("run", "-s", "local_cwd", "-cfg", logs, COMPONENT, "-j", "1x2", "--rdzv_port", port,
+                        "--task", "forecast:Forecast", "--output_dir", str(tmp_path / "out"), "--", *EXAMPLE_ARGS)
+    else:
+        result = torchx("run", "-s", "local_cwd", "-cfg", logs, "dist.ddp", "-j", "1x2", "--rdzv_port", port,
+                        "-m", "forecast.train", "--", *EXAMPLE_ARGS, "--output-dir", str(tmp_path / "out"))
+    assert result.returncode == 0 and "Job finished: SUCCEEDED" in result.stderr, result.stderr[-3000:]
+    final = summary(tmp_path / "out")
+    assert (final["task"], final["world_size"], final["test_samples"]) == ("forecast", 2, 128)
+    assert final["global_step"] == 256 // (2 * 16) and final["test_r2"] > 0.0

@@ -27,13 +27,14 @@ def test_every_config_field_and_task_option_has_a_flag_with_help():
     assert all(action.help for action in parser._actions)
 
 
-def test_flags_override_settings_which_override_yaml_which_overrides_defaults(tmp_path):
+def test_flags_override_yaml_which_overrides_a_scripts_settings_which_override_defaults(tmp_path):
     file = tmp_path / "c.yaml"
     file.write_text("optim:\n  lr: 0.01\n  optimizer: sgd\nepochs: 5\nbatch-size: 32\ntask:\n  model: lenet\n")
-    config, _ = parse_config(["--config", str(file), "--lr", "0.2", "--sync-bn"], settings={"epochs": 7, "lr": 0.3})
+    settings = {"epochs": 7, "lr": 0.3, "seed": 4}
+    config, _ = parse_config(["--config", str(file), "--lr", "0.2", "--sync-bn"], settings=settings)
     assert config.optim.lr == 0.2 and config.optim.optimizer == "sgd"
-    assert config.train.epochs == 7 and config.train.batch_size == 32 and config.model.sync_bn
-    assert config.task_options.model == "lenet"
+    assert config.train.epochs == 5 and config.train.batch_size == 32 and config.model.sync_bn
+    assert config.train.seed == 4 and config.task_options.model == "lenet"
 
 
 def test_config_round_trips_through_its_yaml_layout():
