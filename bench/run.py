@@ -21,6 +21,7 @@ from typing import Any
 
 from bench.figures import (
     checkpointing,
+    image_folder,
     input_pipeline,
     launch_latency,
     overhead,
@@ -46,6 +47,7 @@ FIGURES: dict[str, tuple[str, Callable[[Context], FigureResult]]] = {
     "syncbn": (sync_bn.TITLE, sync_bn.run),
     "checkpoint": (checkpointing.TITLE, checkpointing.run),
     "launch": (launch_latency.TITLE, launch_latency.run),
+    "imagefolder": (image_folder.TITLE, image_folder.run),
 }
 
 

@@ -1,4 +1,5 @@
-"""Print the requirements in pyproject.toml, one per line, for pip.
+"""Print the requirements in pyproject.toml, one per line, for pip: the dependencies (ranges) and the
+``tested`` extra's pins, so that the image has the versions CI tests.
 
 The image installs the dependencies in a layer of their own, before the trainer's code, so that
 editing the code does not reinstall PyTorch; CI downloads the same list into its wheelhouse.
@@ -18,6 +19,7 @@ def requirements(pyproject_path: str, build_system: bool) -> list[str]:
     with open(pyproject_path, "rb") as file:
         pyproject = tomllib.load(file)
     listed: list[str] = list(pyproject["project"]["dependencies"])
+    listed += pyproject["project"]["optional-dependencies"]["tested"]
     if build_system:
         listed += pyproject["build-system"]["requires"]
     return listed

@@ -58,8 +58,8 @@ class TrainingSetup:
         return check_metrics(self.spec, call_task(self.spec, "metrics", self.task.metrics))
 
 
-def build_loader(dataset: Dataset[Any], sampler: torch.utils.data.Sampler[int], batch_size: int, num_workers: int,
-                 seed: int, pin_memory: bool, collate_fn: Callable[[Any], Any] | None = None) -> DataLoader[Any]:
+def _loader(dataset: Dataset[Any], sampler: torch.utils.data.Sampler[int], batch_size: int, num_workers: int,
+            seed: int, pin_memory: bool, collate_fn: Callable[[Any], Any]) -> DataLoader[Any]:
     # A generator of its own: otherwise every new iterator draws its base seed from the global RNG and
     # a resumed run, which starts iterating at a different time, would diverge from an uninterrupted one.
     generator = torch.Generator()
@@ -68,6 +68,28 @@ def build_loader(dataset: Dataset[Any], sampler: torch.utils.data.Sampler[int], 
                       collate_fn=collate_fn, pin_memory=pin_memory, generator=generator,
                       persistent_workers=num_workers > 0,
                       worker_init_fn=ignore_stop_signals_in_worker if num_workers > 0 else None)
+
+
+def training_loader(dataset: Dataset[Any], world_size: int, rank: int, batch_size: int, num_workers: int = 0,
+                    seed: int = 0, deterministic_items: bool = False, collate_fn: Callable[[Any], Any] | None = None,
+                    pin_memory: bool = False, where: str = "the training dataset"
+                    ) -> tuple[DataLoader[Any], ResumableDistributedSampler]:
+    """The trainer's training loader over a map-style dataset, and its sampler (``set_epoch`` before each
+    epoch): one global order per epoch, resumable at any sample and world size, each item seeded."""
+    sampler = ResumableDistributedSampler(dataset, world_size, rank, seed)
+    loader = _loader(SeededItems(dataset, seed, deterministic_items), sampler, batch_size, num_workers, seed,
+                     pin_memory, checked_collate(collate_fn, where))
+    return loader, sampler
+
+
+def evaluation_loader(dataset: Dataset[Any], world_size: int, rank: int, batch_size: int, num_workers: int = 0,
+                      seed: int = 0, deterministic_items: bool = False,
+                      collate_fn: Callable[[Any], Any] | None = None, pin_memory: bool = False,
+                      where: str = "the evaluation dataset") -> DataLoader[Any]:
+    """The trainer's evaluation loader: this rank's shard, every sample on exactly one rank, no padding."""
+    return _loader(SeededItems(dataset, seed, deterministic_items, epoch_offset=EVAL_EPOCH),
+                   ShardSampler(dataset, world_size, rank), batch_size, num_workers, seed, pin_memory,
+                   checked_collate(collate_fn, where))
 
 
 def loader_workers(setting: str, in_memory: bool, local_world_size: int) -> int:
@@ -100,15 +122,13 @@ def build_training(config: Config, spec: TaskSpec, runtime: Runtime) -> Training
     if identity.is_main:
         log.info("data: %d training and %d evaluation samples; %d DataLoader worker(s) per rank (--num-workers %s)",
                  len(train_set), len(eval_set), workers, config.data.num_workers)  # type: ignore[arg-type]
-    train_sampler = ResumableDistributedSampler(train_set, identity.world_size, identity.rank, seed)
-    pin = device.type == "cuda"
-    train_loader = build_loader(SeededItems(train_set, seed, data.deterministic_items), train_sampler,
-                                config.train.batch_size, workers, seed, pin,
-                                checked_collate(data.collate_fn, f"task {spec.describe()}: the training dataset"))
-    eval_loader = build_loader(SeededItems(eval_set, seed, data.deterministic_items, epoch_offset=EVAL_EPOCH),
-                               ShardSampler(eval_set, identity.world_size, identity.rank),
-                               config.train.eval_batch_size, workers, seed, pin,
-                               checked_collate(data.collate_fn, f"task {spec.describe()}: the evaluation dataset"))
+    pin, where = device.type == "cuda", f"task {spec.describe()}: the"
+    train_loader, train_sampler = training_loader(
+        train_set, identity.world_size, identity.rank, config.train.batch_size, workers, seed,
+        data.deterministic_items, data.collate_fn, pin, f"{where} training dataset")
+    eval_loader = evaluation_loader(eval_set, identity.world_size, identity.rank, config.train.eval_batch_size,
+                                    workers, seed, data.deterministic_items, data.collate_fn, pin,
+                                    f"{where} evaluation dataset")
 
     # The same seed on every rank gives every rank the same initial weights; then each rank's own
     # stream for anything random during training (dropout).

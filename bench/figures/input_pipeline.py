@@ -1,7 +1,7 @@
 """Figure 4: the input pipeline: the trainer's loader over the dataset read from disk, against tensors in memory.
 
 Both feed the same training step (ConvNet, AdamW, batch 128, one thread) in this process, in
-alternating windows. The loader is built as the trainer builds it (trainer.build.build_loader with the
+alternating windows. The loader is built as the trainer builds it (trainer.build.training_loader: the
 resumable sampler, over the dataset trainer.data read from the IDX files); the reference cycles through
 batches taken from that loader beforehand, already normalised float tensors. The one-time read of the
 files is timed too and set against an epoch.
@@ -19,7 +19,8 @@ from bench.harness.context import Context
 from bench.harness.data import fashion_mnist_train
 from bench.harness.measure import interleave, load_average, median, paired_ratio
 from bench.harness.results import FigureResult, Goal, Row
-from trainer.build import build_loader
+from trainer.build import training_loader
+from trainer.data import collate_batch
 from trainer.models import ConvNet
 from trainer.sampler import ResumableDistributedSampler
 
@@ -35,8 +36,8 @@ def run(ctx: Context) -> FigureResult:
     started = time.perf_counter()
     train = fashion_mnist_train()
     read_s = time.perf_counter() - started
-    sampler = ResumableDistributedSampler(train, num_replicas=1, rank=0, seed=0)
-    loader = build_loader(train, sampler, BATCH_SIZE, num_workers=0, seed=0, pin_memory=False)
+    loader, sampler = training_loader(train, world_size=1, rank=0, batch_size=BATCH_SIZE, num_workers=0, seed=0,
+                                      deterministic_items=True, collate_fn=collate_batch)
     stream = _endless(loader, sampler)
     in_memory = [next(stream) for _ in range(IN_MEMORY_BATCHES)]
     torch.manual_seed(0)
