@@ -15,9 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.data.catalog import SPECS
-from trainer.data.idx import read_idx, write_idx
-from trainer.data.locate import SHIPPED_FASHION_MNIST, SYSTEM_FASHION_MNIST, find_files, local_filesystem
+from trainer.data import SHIPPED_FASHION_MNIST, SYSTEM_FASHION_MNIST, read_idx, write_idx
 
 SPLITS = (("train", 500), ("t10k", 100))  # (file prefix, images per class): 5000 + 1000 images, about 2.6 MB
 
@@ -28,16 +26,21 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=SHIPPED_FASHION_MNIST, help="folder to write the subset to")
     args = parser.parse_args()
 
-    files = find_files(local_filesystem(), str(args.source), SPECS["fashion-mnist"], shown_as=str(args.source),
-                       hint="install the Debian package dataset-fashion-mnist or pass --source")
     args.out.mkdir(parents=True, exist_ok=True)
     for prefix, per_class in SPLITS:
-        images = read_idx(Path(files[f"{prefix}-images-idx3-ubyte"].path), 3)
-        labels = read_idx(Path(files[f"{prefix}-labels-idx1-ubyte"].path), 1)
+        images = read_idx(source_file(args.source, f"{prefix}-images-idx3-ubyte"), 3)
+        labels = read_idx(source_file(args.source, f"{prefix}-labels-idx1-ubyte"), 1)
         keep = np.sort(np.concatenate([np.flatnonzero(labels == c)[:per_class] for c in np.unique(labels)]))
         write_idx(args.out / f"{prefix}-images-idx3-ubyte.gz", images[keep])
         write_idx(args.out / f"{prefix}-labels-idx1-ubyte.gz", labels[keep])
         print(f"{prefix}: {len(keep)} of {len(labels)} images, {per_class} per class -> {args.out}")
+
+
+def source_file(folder: Path, name: str) -> Path:
+    for candidate in (folder / f"{name}.gz", folder / name):
+        if candidate.is_file():
+            return candidate
+    raise SystemExit(f"{folder} has no {name}[.gz]: install the Debian package dataset-fashion-mnist or pass --source")
 
 
 if __name__ == "__main__":

@@ -101,23 +101,6 @@ def ddp(
     # and dist.ddp's command line has no --max-restarts.
     job_env = {"PYTHONUNBUFFERED": "1", "PET_MAX_RESTARTS": str(max_restarts), **(env or {})}
     task_args = ["--task", task] if task else []
-    return _dist_ddp(
-        *task_args,
-        "--output-dir",
-        output_dir,
-        *script_args,
-        script=script,
-        m=None if script else "trainer",
-        image=image,
-        name=name,
-        h=h,
-        cpu=cpu,
-        gpu=gpu,
-        memMB=memMB,
-        j=j,
-        env=job_env,
-        max_retries=max_retries,
-        rdzv_port=rdzv_port,
-        mounts=all_mounts,
-        debug=debug,
-    )
+    return _dist_ddp(*task_args, "--output-dir", output_dir, *script_args, script=script,
+                     m=None if script else "trainer", image=image, name=name, h=h, cpu=cpu, gpu=gpu, memMB=memMB,
+                     j=j, env=job_env, max_retries=max_retries, rdzv_port=rdzv_port, mounts=all_mounts, debug=debug)

@@ -25,6 +25,7 @@ PUBLIC_MODULES = (
     "trainer.gradsync",
     "trainer.syncbn",
     "trainer.sampler",
+    "trainer.build",
     "trainer.checkpoint",
     "trainer.tasks",
     "trainer.doctor",

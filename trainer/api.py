@@ -45,6 +45,8 @@ from trainer.report import final_line, setup_logging, write_summary
 from trainer.resume import check_resume
 from trainer.task import TaskSpec
 
+__all__ = ["run", "train"]
+
 # What gloo and NCCL say when a peer process is gone; such an error is the other rank's story, not this one's.
 PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|Connection refused|"
                        r"NCCL communicator was aborted|Timed out waiting|timed out|DistNetworkError", re.IGNORECASE)

@@ -27,6 +27,8 @@ from trainer.schedule import LRSchedule
 from trainer.syncbn import convert_sync_batchnorm
 from trainer.task import TaskContext, TaskData, TaskSpec, call_task, check_metrics
 
+__all__ = ["evaluation_loader", "loader_workers", "training_loader"]
+
 MAX_AUTO_WORKERS = 4
 log = logging.getLogger("trainer")
 

@@ -17,6 +17,9 @@ from trainer.optimizers import OPTIMIZERS
 from trainer.options import ResumeRule, as_dict, check, check_choice, option
 from trainer.schedule import SCHEDULES
 
+__all__ = ["SECTIONS", "CheckpointConfig", "Config", "DataConfig", "DistConfig", "ModelConfig", "OptimConfig",
+           "OutputConfig", "TrainConfig"]
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEFAULT_TASK = "classification"
 FLAG, REFUSE = ResumeRule.FLAG, ResumeRule.REFUSE

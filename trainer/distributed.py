@@ -21,6 +21,9 @@ from trainer.errors import DeviceError, RendezvousError, UserError, first_line
 if TYPE_CHECKING:  # the config's choices come from registries whose modules import this one
     from trainer.config import DistConfig
 
+__all__ = ["Runtime", "agree", "agreed", "any_rank", "broadcast_from_main", "choose_backend", "choose_device",
+           "gather_to_main", "process_group"]
+
 T = TypeVar("T")
 
 

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 
 from trainer.errors import LaunchEnvError
 
+__all__ = ["LAUNCHER_PREFIXES", "LAUNCHER_VARIABLES", "DistIdentity", "identity_from_env", "without_launcher_variables"]
+
 TORCHRUN_HINT = "start the trainer through torchrun (torchrun --nnodes ... --nproc-per-node ... trainer/main.py)"
 # Every variable this module reads, and the prefixes of families of them: a process started from a
 # launched one (a test, a benchmark, a nested launcher) must not inherit its parent's place in a group.

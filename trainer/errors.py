@@ -7,6 +7,10 @@ retried forever, a preemption must be.
 
 from __future__ import annotations
 
+__all__ = ["EXIT_FAILURE", "EXIT_OK", "EXIT_PEER_LOST", "EXIT_PREEMPTED", "EXIT_RENDEZVOUS", "EXIT_USAGE",
+           "CheckpointError", "ConfigError", "DataError", "DeviceError", "LaunchEnvError", "Preempted",
+           "RendezvousError", "TaskError", "UserError"]
+
 EXIT_OK = 0
 EXIT_FAILURE = 1  # an unexpected error: a bug, a traceback is printed
 EXIT_USAGE = 2  # bad flags, environment, data or checkpoint: fix the input, do not retry

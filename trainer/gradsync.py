@@ -18,6 +18,8 @@ from trainer.distributed import Runtime
 from trainer.errors import ConfigError
 from trainer.registry import Registry
 
+__all__ = ["SYNC_METHODS", "GradSync", "build_grad_sync", "unwrap"]
+
 
 class GradSync:
     """Base: wrap the model once, then call ``no_sync`` on non-final micro-steps and

@@ -7,20 +7,18 @@ each sample to exactly one rank, the reduced sums are those of one process that 
 A ``torchmetrics.Metric`` works as a task metric too: torchmetrics declares a reduction for each of
 its states (``dist_reduce_fx``) and synchronises them itself when ``compute()`` is called.
 
-Writing one::
+Writing one (an average over samples: ``Average`` below does the bookkeeping)::
 
-    class MeanAbsoluteError(Metric):
+    class MaxError(Metric):
         def __init__(self) -> None:
             super().__init__()
-            self.add_state("error", 0.0)
-            self.add_state("count", 0.0)
+            self.add_state("worst", 0.0, reduce="max")
 
         def update(self, outputs, targets):
-            self.state["error"] += (outputs.float() - targets).abs().sum()
-            self.state["count"] += targets.numel()
+            self.state["worst"] = torch.maximum(self.state["worst"], (outputs - targets).abs().max())
 
         def compute(self):
-            return self.state["error"] / self.state["count"]
+            return self.state["worst"]
 """
 
 from __future__ import annotations
@@ -68,65 +66,54 @@ class Metric(ABC):
         return self
 
 
-class Mean(Metric):
-    """The sample-weighted mean of a per-batch value (the task's loss, for instance)."""
+class Average(Metric):
+    """A total over samples divided by their number, the shape of most metrics: subclasses say, per batch,
+    what to add to each (``amounts``); the two sums are what ranks add up."""
 
     def __init__(self) -> None:
         super().__init__()
         self.add_state("total", 0.0)
         self.add_state("count", 0.0)
 
-    def update(self, value: Any, count: Any) -> None:
-        self.state["total"] += value.detach().double() * count
+    @abstractmethod
+    def amounts(self, outputs: Any, targets: Any) -> tuple[Tensor | float, Tensor | float]:
+        """(what this batch adds to the total, how many samples or elements it counts for)."""
+
+    def update(self, outputs: Any, targets: Any) -> None:
+        total, count = self.amounts(outputs, targets)
+        self.state["total"] += total
         self.state["count"] += count
 
     def compute(self) -> Tensor:
         return self.state["total"] / self.state["count"].clamp_min(1)
 
 
-class Accuracy(Metric):
+class Mean(Average):
+    """The sample-weighted mean of a per-batch value (the task's loss): ``update(value, samples)``."""
+
+    def amounts(self, value: Any, count: Any) -> tuple[Tensor, Any]:
+        return value.detach().double() * count, count
+
+
+class Accuracy(Average):
     """Share of samples whose highest-scoring class (the argmax of dim 1) is the target."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.add_state("correct", 0.0)
-        self.add_state("count", 0.0)
-
-    def update(self, outputs: Tensor, targets: Tensor) -> None:
-        self.state["correct"] += (outputs.argmax(dim=1) == targets).sum()
-        self.state["count"] += targets.numel()
-
-    def compute(self) -> Tensor:
-        return self.state["correct"] / self.state["count"].clamp_min(1)
+    def amounts(self, outputs: Tensor, targets: Tensor) -> tuple[Tensor, int]:
+        return (outputs.argmax(dim=1) == targets).sum(), targets.numel()
 
 
-class MeanAbsoluteError(Metric):
+class MeanAbsoluteError(Average):
     """Mean of |output - target| over every element."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.add_state("error", 0.0)
-        self.add_state("count", 0.0)
-
-    def update(self, outputs: Tensor, targets: Tensor) -> None:
-        self.state["error"] += (outputs.double() - targets.double()).abs().sum()
-        self.state["count"] += targets.numel()
-
-    def compute(self) -> Tensor:
-        return self.state["error"] / self.state["count"].clamp_min(1)
+    def amounts(self, outputs: Tensor, targets: Tensor) -> tuple[Tensor, int]:
+        return (outputs.double() - targets.double()).abs().sum(), targets.numel()
 
 
-class RootMeanSquaredError(Metric):
+class RootMeanSquaredError(Average):
     """Square root of the mean of (output - target)^2 over every element."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.add_state("squared_error", 0.0)
-        self.add_state("count", 0.0)
-
-    def update(self, outputs: Tensor, targets: Tensor) -> None:
-        self.state["squared_error"] += (outputs.double() - targets.double()).pow(2).sum()
-        self.state["count"] += targets.numel()
+    def amounts(self, outputs: Tensor, targets: Tensor) -> tuple[Tensor, int]:
+        return (outputs.double() - targets.double()).pow(2).sum(), targets.numel()
 
     def compute(self) -> Tensor:
-        return (self.state["squared_error"] / self.state["count"].clamp_min(1)).sqrt()
+        return super().compute().sqrt()

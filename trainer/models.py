@@ -18,6 +18,8 @@ from torch import nn
 from trainer.errors import ConfigError
 from trainer.registry import Registry
 
+__all__ = ["MODELS", "ConvNet", "LeNet", "ThreeChannels", "build_model"]
+
 # in_channels, (height, width), num_classes, pretrained -> model
 ModelFactory = Callable[[int, tuple[int, int], int, bool], nn.Module]
 TORCHVISION_PREFIX = "torchvision/"

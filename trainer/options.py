@@ -16,6 +16,8 @@ from typing import Any
 from trainer.errors import ConfigError
 from trainer.registry import Registry
 
+__all__ = ["ResumeRule", "check", "check_choice", "option"]
+
 Choices = tuple[str, ...] | Registry[Any] | None
 
 

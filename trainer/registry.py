@@ -12,6 +12,8 @@ from typing import Generic, TypeVar
 
 from trainer.errors import ConfigError
 
+__all__ = ["Entry", "Registry"]
+
 T = TypeVar("T")
 
 

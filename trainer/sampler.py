@@ -23,6 +23,8 @@ from torch.utils.data import Dataset, DistributedSampler, get_worker_info
 from trainer.items import Fetched
 from trainer.rng import isolated, seed_item
 
+__all__ = ["ResumableDistributedSampler", "SeededItems", "ShardSampler"]
+
 EVAL_EPOCH = -1  # the evaluation set's items are seeded as an epoch of their own
 
 

@@ -17,6 +17,8 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
+__all__ = ["GlooSyncBatchNorm", "convert_sync_batchnorm"]
+
 
 def convert_sync_batchnorm(module: nn.Module, device: torch.device,
                            process_group: dist.ProcessGroup | None = None) -> nn.Module:

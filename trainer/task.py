@@ -47,6 +47,8 @@ from trainer.errors import TaskError, UserError, described
 from trainer.metrics import Metric
 from trainer.registry import Registry
 
+__all__ = ["NoOptions", "Task", "TaskContext", "TaskData", "batch_size", "to_device"]
+
 OptionsT = TypeVar("OptionsT")
 REQUIRED = ("name", "datasets", "model", "loss")  # what a task class must define; metrics and Options are optional
 

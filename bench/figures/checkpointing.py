@@ -62,29 +62,26 @@ def _timed(action: Callable[[], object]) -> float:
     return time.perf_counter() - started
 
 
-def _fsync(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+def _synced(path: Path, flags: int = os.O_RDONLY) -> None:
+    """fsync a file's contents, or a folder's entries."""
+    descriptor = os.open(path, flags)
+    os.fsync(descriptor)
+    os.close(descriptor)
 
 
 def _raw_write(folder: Path, data: bytes) -> None:
     """What any durable write of these bytes costs: the file, its contents synced, then its folder entry."""
     path = folder / "raw.bin"
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    _fsync(folder)
+    path.write_bytes(data)
+    _synced(path)
+    _synced(folder)
     path.unlink()
 
 
 def _torch_save_to_path(folder: Path, state: dict[str, Any]) -> None:
     path = folder / "torch-save.pt"
     torch.save(state, path)
-    _fsync(path)
+    _synced(path)
     path.unlink()
 
 

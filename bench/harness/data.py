@@ -7,7 +7,7 @@ import torch
 from trainer.data import ImageTensorDataset, load_datasets
 from trainer.distributed import Runtime
 from trainer.env import identity_from_env
-from trainer.tasks.classification import ClassificationOptions
+from trainer.tasks import ClassificationOptions
 
 
 def one_process_runtime() -> Runtime:

@@ -91,21 +91,10 @@ def _scheduling(by_key: dict[str, FigureResult]) -> Figure | None:
     parts = figure.details.get("step_parts_s", {}) if figure else {}
     if not parts:
         return None
-    drawing, axes = plt.subplots(figsize=(9, 0.45 * len(parts) + 1.5))
-    for position, phase in enumerate(parts.values()):
-        segments = {"running": phase["main_thread_cpu"], "waiting for a core": phase["waiting_for_core"],
-                    "blocked": phase["blocked"]}
-        left = 0.0
-        for name, seconds in segments.items():
-            axes.barh(position, seconds * 1e3, left=left, color=SCHEDULER_COLOURS[name],
-                      label=name if position == 0 else None)
-            left += seconds * 1e3
-    axes.set_yticks(list(range(len(parts))), list(parts), fontsize=8)
-    axes.invert_yaxis()
-    axes.set_xlabel("ms per optimizer step, rank 0's main thread (median round)")
-    axes.set_title("Figure 1: where a step's wall time goes")
-    axes.legend(loc="lower right", fontsize=8)
-    return drawing
+    rows = {label: {"running": phase["main_thread_cpu"] * 1e3, "waiting for a core": phase["waiting_for_core"] * 1e3,
+                    "blocked": phase["blocked"] * 1e3} for label, phase in parts.items()}
+    return _stacked_bars(rows, SCHEDULER_COLOURS, "ms per optimizer step, rank 0's main thread (median round)",
+                         "Figure 1: where a step's wall time goes")
 
 
 def _step_parts(by_key: dict[str, FigureResult]) -> Figure | None:
@@ -120,18 +109,27 @@ def _step_parts(by_key: dict[str, FigureResult]) -> Figure | None:
             bars.update({prefix + name: parts for name, parts in by_key[key].details.get("step_parts_s", {}).items()})
     if not bars:
         return None
-    drawing, axes = plt.subplots(figsize=(9, 0.45 * len(bars) + 1.5))
-    for position, parts in enumerate(bars.values()):
-        left = 0.0
+    rows = {}
+    for label, parts in bars.items():
         measured = {name: parts[name] * 1e3 for name in ("forward", "backward", "sync", "optimizer")}
         measured["other"] = max(parts["wall"] * 1e3 - sum(measured.values()), 0.0)
-        for name, width in measured.items():
-            axes.barh(position, width, left=left, color=PART_COLOURS[name], label=name if position == 0 else None)
+        rows[label] = measured
+    return _stacked_bars(rows, PART_COLOURS, "ms per optimizer step on rank 0 (median round; same run per group of "
+                         "bars)", "Where a step's time goes (figures 1, 2, 6)")
+
+
+def _stacked_bars(rows: dict[str, dict[str, float]], colours: dict[str, str], xlabel: str, title: str) -> Figure:
+    """One horizontal bar per row, its segments stacked left to right in the colours given."""
+    drawing, axes = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.5))
+    for position, segments in enumerate(rows.values()):
+        left = 0.0
+        for name, width in segments.items():
+            axes.barh(position, width, left=left, color=colours[name], label=name if position == 0 else None)
             left += width
-    axes.set_yticks(list(range(len(bars))), list(bars), fontsize=8)
+    axes.set_yticks(list(range(len(rows))), list(rows), fontsize=8)
     axes.invert_yaxis()
-    axes.set_xlabel("ms per optimizer step on rank 0 (median round; same run per group of bars)")
-    axes.set_title("Where a step's time goes (figures 1, 2, 6)")
+    axes.set_xlabel(xlabel)
+    axes.set_title(title)
     axes.legend(loc="lower right", fontsize=8)
     return drawing
 

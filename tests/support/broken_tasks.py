@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
-from trainer.metrics import Metric
+from trainer.metrics import MeanAbsoluteError, Metric
 from trainer.options import option
 from trainer.task import Task, TaskContext, TaskData
 
@@ -135,31 +135,32 @@ class PlainObjectMetric(TinyTask):
         return {"rmse": Collector()}
 
 
+class Counting(Metric):
+    """Keeps what it saw in a list, which no rank could add to another's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[float] = []
+
+    def update(self, outputs: Any, targets: Any) -> None:
+        self.seen.append(1.0)
+
+    def compute(self) -> float:
+        return float(len(self.seen))
+
+
+class PerFeature(MeanAbsoluteError):
+    """Four numbers where one is due."""
+
+    def compute(self) -> torch.Tensor:
+        return super().compute().repeat(4)
+
+
 class MetricWithoutState(TinyTask):
     def metrics(self) -> Mapping[str, Any]:
-        class Counting(Metric):
-            def __init__(self) -> None:
-                super().__init__()
-                self.seen: list[float] = []  # a list, which no rank could add to another's
-
-            def update(self, outputs: Any, targets: Any) -> None:
-                self.seen.append(1.0)
-
-            def compute(self) -> float:
-                return float(len(self.seen))
         return {"count": Counting()}
 
 
 class MetricOfManyNumbers(TinyTask):
     def metrics(self) -> Mapping[str, Any]:
-        class PerFeature(Metric):
-            def __init__(self) -> None:
-                super().__init__()
-                self.add_state("error", torch.zeros(4))
-
-            def update(self, outputs: Any, targets: Any) -> None:
-                self.state["error"] += 1
-
-            def compute(self) -> torch.Tensor:
-                return self.state["error"]
         return {"per_feature": PerFeature()}

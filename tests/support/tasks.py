@@ -78,9 +78,8 @@ class TokenTask(Task[TokenOptions]):
     monitor, monitor_mode = "macro_f1", "max"
 
     def datasets(self, context: TaskContext) -> TaskData:
-        o = self.options
-        return TaskData(TokenSequences(o, o.train_size, seed=11, augment=True),
-                        TokenSequences(o, o.eval_size, seed=12, augment=False))
+        train = TokenSequences(self.options, self.options.train_size, seed=11, augment=True)
+        return TaskData(train, TokenSequences(self.options, self.options.eval_size, seed=12, augment=False))
 
     def model(self, data: TaskData) -> nn.Module:
         return BagOfEmbeddings(self.options.vocab, self.options.classes)
