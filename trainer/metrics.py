@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+__all__ = ["REDUCTIONS", "Accuracy", "Average", "Mean", "MeanAbsoluteError", "Metric", "RootMeanSquaredError"]
+
 REDUCTIONS = ("sum", "max", "min")
 
 
