@@ -186,3 +186,25 @@ def test_an_fsspec_checkpoint_url_keeps_the_last_k_and_resumes_exactly(scheme, r
     state = verify(storage, "step-00000016").state.to_dict()
     assert_same_tensors({"model": state["model"], "optimizer": state["optimizer"], "position": state["position"]},
                         final_params(reference))
+
+
+# A checkpoint of format 2, written by the previous release (the fixture's manifest says so): synthetic
+# 1x8x8 images, the ConvNet, stopped with --max-steps 5 in the first of two epochs.
+FORMAT_2 = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoint-format-2"
+FORMAT_2_RUN = ["--dataset", "synthetic", "--synthetic-shape", "1,8,8", "--synthetic-train-size", "64",
+                "--synthetic-test-size", "32", "--batch-size", "8", "--epochs", "2", "--checkpoint-every", "3",
+                "--model", "convnet", "--progress", "off", "--no-tensorboard"]
+
+
+def test_a_checkpoint_of_the_previous_format_resumes_and_ends_like_an_uninterrupted_run(tmp_path):
+    shutil.copytree(FORMAT_2, tmp_path / "old" / "checkpoints")
+    assert run([sys.executable, "-m", "trainer", *FORMAT_2_RUN, "--output-dir", str(tmp_path / "old")]).returncode == 0
+    fresh = run([sys.executable, "-m", "trainer", *FORMAT_2_RUN, "--output-dir", str(tmp_path / "new")])
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert summary(tmp_path / "old")["resumed_from"].endswith("step-00000005")
+    old_name, old_manifest, old_state = newest_checkpoint(tmp_path / "old" / "checkpoints")
+    new_name, _, new_state = newest_checkpoint(tmp_path / "new" / "checkpoints")
+    assert old_name == new_name == "step-00000016" and old_manifest["format"] == 3
+    assert old_state["task"]["options"]["model"] == "convnet"  # migrated from the old config's model section
+    assert_same_tensors(old_state["model"], new_state["model"])
+    assert_same_tensors(old_state["optimizer"], new_state["optimizer"])
