@@ -34,6 +34,7 @@ from bench.harness.context import Context
 from bench.harness.measure import describe_machine, load_average
 from bench.harness.plots import make_plots
 from bench.harness.results import FigureResult, markdown_table, read_json, write_json, write_markdown
+from trainer.errors import described
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 QUICK_DIR = RESULTS_DIR / "raw" / "quick"
@@ -79,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 result = measure(ctx)
             except Exception as error:  # one figure's failure must not lose the others' results
                 traceback.print_exc()
-                result = FigureResult.failed(number, key, title, f"{type(error).__name__}: {_first_line(error)}")
+                result = FigureResult.failed(number, key, title, described(error)[:300])
                 failed = True
             result.details["duration_s"] = round(time.perf_counter() - figure_started, 1)
             print(f"[bench] figure {number} done in {result.details['duration_s']:.0f} s", flush=True)
@@ -107,10 +108,6 @@ def _kept_figures(path: Path, quick: bool, selected: list[str]) -> dict[str, Fig
     if header.get("quick") != quick:
         return {}
     return {figure.key: figure for figure in figures if figure.key not in selected}
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [""])[0][:300]
 
 
 if __name__ == "__main__":
