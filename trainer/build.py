@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from trainer.config import Config
 from trainer.distributed import Runtime, agreed
 from trainer.errors import TaskError
+from trainer.evaluation import MetricSet
 from trainer.gradsync import GradSync, build_grad_sync
 from trainer.items import checked_collate
 from trainer.optimizers import build_optimizer
@@ -57,7 +58,10 @@ class TrainingSetup:
 
     def new_metrics(self) -> dict[str, Any]:
         """A fresh set of the task's metrics (one per training window set, one for evaluation)."""
-        return check_metrics(self.spec, call_task(self.spec, "metrics", self.task.metrics))
+        return check_metrics(self.spec, call_task(self.spec, "metrics()", self.task.metrics))
+
+    def metric_set(self, device: torch.device) -> MetricSet:
+        return MetricSet(self.new_metrics(), device, owner=f"task {self.spec.describe()}")
 
 
 def _loader(dataset: Dataset[Any], sampler: torch.utils.data.Sampler[int], batch_size: int, num_workers: int,
@@ -165,7 +169,7 @@ def build_training(config: Config, spec: TaskSpec, runtime: Runtime) -> Training
 
 
 def _task_data(spec: TaskSpec, task: Any, context: TaskContext) -> TaskData:
-    data = call_task(spec, "datasets", lambda: task.datasets(context))
+    data = call_task(spec, "datasets()", lambda: task.datasets(context))
     if not isinstance(data, TaskData):
         raise TaskError(f"task {spec.describe()}: datasets() returned a {type(data).__name__}; return a "
                         f"trainer.task.TaskData(train=..., eval=...)")
@@ -174,14 +178,14 @@ def _task_data(spec: TaskSpec, task: Any, context: TaskContext) -> TaskData:
         if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
             raise TaskError(f"task {spec.describe()}: the {split} dataset ({type(dataset).__name__}) is not map-style: "
                             f"it needs __len__ and __getitem__ (an IterableDataset cannot be resumed exactly)")
-        size = call_task(spec, f"len of the {split} dataset", lambda dataset=dataset: len(dataset))
+        size = call_task(spec, f"len() of the {split} dataset", lambda dataset=dataset: len(dataset))
         if size == 0:
             raise TaskError(f"task {spec.describe()}: the {split} dataset is empty")
     return data
 
 
 def _task_model(spec: TaskSpec, task: Any, data: TaskData) -> nn.Module:
-    model = call_task(spec, "model", lambda: task.model(data))
+    model = call_task(spec, "model()", lambda: task.model(data))
     if not isinstance(model, nn.Module):
         raise TaskError(f"task {spec.describe()}: model() returned a {type(model).__name__}, not a torch.nn.Module")
     if not any(parameter.requires_grad for parameter in model.parameters()):

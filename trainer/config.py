@@ -110,10 +110,11 @@ class CheckpointConfig:
     checkpoint_every: int = option(0, "also save every N optimizer steps (0: only at the end of each epoch)")
     keep_last: int = option(3, "how many recent checkpoints to keep (>= 2)")
     keep_best: bool = option(False, "also keep the checkpoint with the best value of the task's monitored metric")
-    resume: str = option("latest", "latest (newest valid checkpoint, if any), none, or a checkpoint path")
+    resume: str = option("latest", "latest (newest valid checkpoint, if any), none, or a checkpoint path",
+                         resume=ResumeRule.IGNORE)
     allow_resume_change: str = option(
         "", "settings a resume may change although they change the training, comma-separated (lr,batch_size); "
-        "see docs/checkpoints.md for what a resume always allows and always refuses")
+        "see docs/checkpoints.md for what a resume always allows and always refuses", resume=ResumeRule.IGNORE)
     async_checkpoint: bool = option(False, "write checkpoints in a background thread")
     grace_period_s: float = option(25.0, "after SIGTERM, exit within this many seconds (checkpoint included)")
 

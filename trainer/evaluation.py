@@ -28,7 +28,8 @@ OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.
 class MetricSet:
     """The mean of the task's loss (as "loss"), the task's metrics, and the number of samples."""
 
-    def __init__(self, metrics: Mapping[str, Any], device: torch.device) -> None:
+    def __init__(self, metrics: Mapping[str, Any], device: torch.device, owner: str = "") -> None:
+        self.owner = owner  # who the metrics are, for messages: "task 'forecast' (forecast:Forecast)"
         self.loss = Mean().to(device)
         self.metrics = dict(metrics)
         for metric in self.metrics.values():
@@ -49,15 +50,16 @@ class MetricSet:
         ours: list[Metric] = [self.loss, *(m for m in self.metrics.values() if isinstance(m, Metric))]
         if reduce and runtime.identity.world_size > 1:
             _all_reduce_states(ours)
-        values = {"loss": _number("loss", self.loss.compute()), "samples": int(self.loss.state["count"].item())}
+        values = {"loss": self._number("loss", self.loss.compute()),
+                  "samples": int(self.loss.state["count"].item())}
         for name, metric in self.metrics.items():
             if isinstance(metric, Metric):
-                values[name] = _number(name, metric.compute())
+                values[name] = self._number(name, metric.compute())
             else:  # a torchmetrics metric synchronises its own states when asked to compute
                 sync = metric.sync_on_compute
                 metric.sync_on_compute = reduce
                 try:
-                    values[name] = _number(name, metric.compute())
+                    values[name] = self._number(name, metric.compute())
                 finally:
                     metric.sync_on_compute = sync
         self.reset()
@@ -66,6 +68,18 @@ class MetricSet:
     def reset(self) -> None:
         for metric in [self.loss, *self.metrics.values()]:
             metric.reset()
+
+    def _number(self, name: str, value: Any) -> float:
+        where = f"{self.owner}: " if self.owner else ""
+        if isinstance(value, Tensor):
+            if value.numel() != 1:
+                raise TaskError(f"{where}metric {name!r} computed a tensor of shape {list(value.shape)}; a metric's "
+                                f"value must be one number")
+            return float(value.item())
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise TaskError(f"{where}metric {name!r} computed a {type(value).__name__}; a metric's value must be one "
+                        f"number")
 
 
 def _all_reduce_states(metrics: list[Metric]) -> None:
@@ -80,17 +94,6 @@ def _all_reduce_states(metrics: list[Metric]) -> None:
             size = metric.state[name].numel()
             metric.state[name] = flat[offset:offset + size].reshape(metric.state[name].shape)
             offset += size
-
-
-def _number(name: str, value: Any) -> float:
-    if isinstance(value, Tensor):
-        if value.numel() != 1:
-            raise TaskError(f"metric {name!r} computed a tensor of shape {list(value.shape)}; a metric's value must "
-                            f"be one number")
-        return float(value.item())
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    raise TaskError(f"metric {name!r} computed a {type(value).__name__}; a metric's value must be one number")
 
 
 def evaluate(model: nn.Module, loader: DataLoader[Any], task: Any, metrics: MetricSet, runtime: Runtime,

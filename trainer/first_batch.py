@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from trainer.build import TrainingSetup
 from trainer.distributed import Runtime, agreed
 from trainer.errors import TaskError
-from trainer.evaluation import MetricSet, detached
+from trainer.evaluation import detached
 from trainer.gradsync import unwrap
 from trainer.items import check_items
 from trainer.rng import isolated
@@ -63,8 +63,8 @@ def _check_batch(setup: TrainingSetup, runtime: Runtime, split: str, loader: Dat
     model.eval()
     try:
         with setup.autocast():
-            outputs = call_task(spec, f"model (forward on the first {split} batch)", lambda: model(inputs))
-            loss = call_task(spec, f"loss (on the first {split} batch)", lambda: setup.task.loss(outputs, targets))
+            outputs = call_task(spec, f"the model's forward pass on the first {split} batch", lambda: model(inputs))
+            loss = call_task(spec, f"loss() on the first {split} batch", lambda: setup.task.loss(outputs, targets))
     finally:
         model.train()
     if not isinstance(loss, Tensor) or loss.numel() != 1:
@@ -73,8 +73,8 @@ def _check_batch(setup: TrainingSetup, runtime: Runtime, split: str, loader: Dat
                         f"got {found}")
     if not loss.dtype.is_floating_point:
         raise TaskError(f"task {spec.describe()}: loss() returned a {loss.dtype} tensor; it must be floating point")
-    metrics = MetricSet(setup.new_metrics(), runtime.device)
-    call_task(spec, f"metrics (update on the first {split} batch)",
+    metrics = setup.metric_set(runtime.device)
+    call_task(spec, f"a metric's update() on the first {split} batch",
               lambda: metrics.update(loss.detach(), detached(outputs), targets))
-    call_task(spec, "metrics (compute)", lambda: metrics.compute(runtime, reduce=False))
+    call_task(spec, "a metric's compute()", lambda: metrics.compute(runtime, reduce=False))
     batch_size(targets)  # targets from which the number of samples can be told

@@ -19,7 +19,7 @@ from trainer.checkpoint.schema import TaskRecord, Trainable, capture, restore
 from trainer.config import Config
 from trainer.distributed import Runtime
 from trainer.errors import CheckpointError, Preempted, first_line
-from trainer.evaluation import MetricSet, detached, evaluate
+from trainer.evaluation import detached, evaluate
 from trainer.first_batch import check_first_batches
 from trainer.gradsync import broadcast_buffers, unwrap
 from trainer.options import as_dict
@@ -48,8 +48,8 @@ class Trainer:
         self.output_dir = Path(config.output.output_dir)
         self.metrics = MetricsWriter(self.output_dir, runtime.is_main, config.output.tensorboard)
         self.progress = ProgressDisplay(config.output.progress, runtime.is_main, log)
-        self.train_metrics = MetricSet(setup.new_metrics(), runtime.device)
-        self.eval_metrics = MetricSet(setup.new_metrics(), runtime.device)
+        self.train_metrics = setup.metric_set(runtime.device)
+        self.eval_metrics = setup.metric_set(runtime.device)
         self._last_saved_step = -1
         self._sample_log = None
         if config.output.sample_log:

@@ -27,6 +27,7 @@ class ResumeRule(enum.Enum):
     ALLOW = "allow"  # takes the new value (more epochs, another log interval, another device)
     FLAG = "flag"  # refused unless named in --allow-resume-change (learning rate, batch size)
     REFUSE = "refuse"  # always refused: the checkpoint is of something else (task, model, dataset)
+    IGNORE = "ignore"  # not compared: settings of the resume itself (--resume, --allow-resume-change)
 
 
 def option(default: Any, help: str, choices: Choices = None, resume: ResumeRule = ResumeRule.ALLOW) -> Any:

@@ -58,6 +58,8 @@ def _differences(saved: Mapping[str, Any], current: Any, kind: type) -> list[tup
         return []
     changed = []
     for field in fields_of(kind):
+        if resume_rule(field) is ResumeRule.IGNORE:
+            continue
         if field.name in saved and saved[field.name] != getattr(current, field.name):
             changed.append((field.name, saved[field.name], getattr(current, field.name), resume_rule(field)))
     return changed

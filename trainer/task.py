@@ -32,7 +32,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
+import site
 import sys
+import sysconfig
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -129,7 +132,7 @@ class TaskSpec:
         return self.name if self.source == self.name else f"{self.name!r} ({self.source})"
 
     def create(self, options: Any) -> Any:
-        return call_task(self, "__init__", lambda: self.cls(options))
+        return call_task(self, f"creating it ({self.cls.__name__}(options))", lambda: self.cls(options))
 
 
 def resolve(source: str | type, builtins: Registry[type]) -> TaskSpec:
@@ -157,16 +160,21 @@ def resolve(source: str | type, builtins: Registry[type]) -> TaskSpec:
 
 
 def _import(source: str, module_name: str) -> Any:
+    # The current directory too, as `python -m` has it and a console script (ddp-train) does not: a task
+    # in the folder the command is run from is found the same way whatever started the trainer.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as error:
         missing = error.name or module_name
         if module_name == missing or module_name.startswith(missing + "."):
-            places = ", ".join(path or "." for path in sys.path[:6]) + (", ..." if len(sys.path) > 6 else "")
             raise TaskError(
-                f"--task {source}: no module named {missing!r}. The trainer looked in the installed packages and on "
-                f"PYTHONPATH ({places}); pip install your package into this environment (in a container: an image "
-                f"FROM ddp-deploy that pip installs it), or put the folder that holds it on PYTHONPATH"
+                f"--task {source}: no module named {missing!r} in the current directory ({os.getcwd()}), on "
+                f"PYTHONPATH ({os.environ.get('PYTHONPATH') or 'unset'}) or among the installed packages "
+                f"({', '.join(site.getsitepackages())}); pip install your package into this environment (in a "
+                f"container: an image FROM ddp-deploy that pip installs it), or put the folder that holds it on "
+                f"PYTHONPATH"
             ) from None
         raise TaskError(f"--task {source}: importing {module_name} failed: {described(error)}{_where(error)}; "
                         f"install what it needs") from None
@@ -207,18 +215,23 @@ def call_task(spec: TaskSpec, part: str, call: Callable[[], Any]) -> Any:
     except UserError:  # the task reports bad input itself, or a built-in's DataError
         raise
     except Exception as error:
-        raise TaskError(f"task {spec.describe()}: {part}() raised {described(error)}{_where(error)}") from None
+        raise TaskError(f"task {spec.describe()}: {part} raised {described(error)}{_where(error)}") from None
 
 
 def _where(error: BaseException) -> str:
-    """`` (at file:line)`` of the innermost frame that is not the trainer's or the standard library's."""
-    frames = traceback.extract_tb(error.__traceback__)
+    """`` (at file:line)`` of the innermost frame in code of the user's: not the trainer's, torch's or Python's."""
     if isinstance(error, SyntaxError) and error.filename:
         return f" (at {error.filename}:{error.lineno})"
-    for frame in reversed(frames):
-        if "/trainer/" not in frame.filename and "importlib" not in frame.filename:
+    theirs = (_TRAINER_DIR, _TORCH_DIR, _STDLIB_DIR)
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        if not frame.filename.startswith(theirs) and "importlib" not in frame.filename:
             return f" (at {frame.filename}:{frame.lineno})"
     return ""
+
+
+_TRAINER_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
 
 
 def check_metrics(spec: TaskSpec, metrics: Any) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from tests.support.checkpoints import newest_checkpoint, summary
-from tests.support.procs import REPO_ROOT, clean_env, env_ranks, free_port, run, torchrun
+from tests.support.procs import BIN_DIR, REPO_ROOT, clean_env, env_ranks, free_port, run, torchrun
 from trainer.errors import EXIT_PEER_LOST, EXIT_RENDEZVOUS, EXIT_USAGE
 
 TINY = ["--dataset", "synthetic", "--synthetic-train-size", "192", "--synthetic-test-size", "67", "--batch-size",
@@ -142,3 +143,12 @@ def test_when_a_rank_dies_the_other_exits_retryable_with_one_line_not_a_hang(tmp
     procs[0].communicate()
     assert procs[1].returncode == EXIT_PEER_LOST, stderr[-2000:]
     assert "lost contact with another rank" in one_error_line(stderr)
+
+
+def test_the_console_command_finds_a_task_in_the_current_directory(tmp_path):
+    """`python -m trainer` has the current directory on sys.path and `ddp-train` would not; both find it."""
+    shutil.copy(REPO_ROOT / "tests" / "support" / "broken_tasks.py", tmp_path / "mytasks.py")
+    result = run([str(BIN_DIR / "ddp-train"), "--task", "mytasks:TinyTask", "--epochs", "1", "--batch-size", "8",
+                  "--progress", "off", "--no-tensorboard", "--output-dir", str(tmp_path / "out")], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert summary(tmp_path / "out")["task"] == "tiny"
