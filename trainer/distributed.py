@@ -198,6 +198,8 @@ def process_group(config: DistConfig, identity: DistIdentity, device: torch.devi
 
 
 def _all_ranks_flag(flag: bool, op: dist.ReduceOp.RedOpType, device: torch.device) -> bool:
+    if dist.get_world_size() == 1:
+        return flag  # no other rank to ask: no collective, no wait for the device
     value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
     dist.all_reduce(value, op=op)
     return bool(value.item())

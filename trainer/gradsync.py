@@ -51,14 +51,15 @@ class DDPSync(GradSync):
         self.bucket_mb = bucket_mb
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        if self.runtime.identity.world_size == 1:
+            return model  # nothing to synchronise: DDP's hooks and its all-reduce of one would be pure cost
         device_ids = [self.runtime.device] if self.runtime.device.type == "cuda" else None
         # DDP broadcasts rank 0's parameters and buffers on construction.
         return DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.bucket_mb,
                                        gradient_as_bucket_view=True)
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager[object]:
-        assert isinstance(model, DistributedDataParallel)
-        return model.no_sync()
+        return model.no_sync() if isinstance(model, DistributedDataParallel) else nullcontext()
 
 
 class AllReduceSync(GradSync):

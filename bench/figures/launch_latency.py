@@ -111,7 +111,8 @@ def _compose(work: Path) -> float:
     runs_dir.mkdir()
     runs_dir.chmod(0o777)  # the image runs as uid 1000
     base = yaml.safe_load((REPO_ROOT / "compose.yaml").read_text())
-    command = [*base["services"]["node"]["command"], *TRAINER_QUIET, *TRAINER_ARGS]
+    # The compose file's command is one string that Compose splits into words: the flags go at its end.
+    command = " ".join([base["services"]["node"]["command"], *TRAINER_QUIET, *TRAINER_ARGS])
     override = work / "compose.bench.yaml"
     override.write_text(yaml.safe_dump({"services": {"node": {"command": command,
                                                               "volumes": [f"{runs_dir}:/workspace/runs"]}}}))
