@@ -100,8 +100,7 @@ def train(config: Config, spec: TaskSpec, runtime: Runtime) -> dict[str, object]
 
     watcher = PreemptionWatcher(config.checkpoint.grace_period_s, runtime.device, log)
     watcher.install()  # before the slow parts, so an early SIGTERM is not lost
-    monitor = Monitor(getattr(spec.cls, "monitor", "loss"), getattr(spec.cls, "monitor_mode", "min"))
-    checkpoints = CheckpointManager(config.checkpoint, config.checkpoint_dir, runtime, log, monitor)
+    checkpoints = CheckpointManager(config.checkpoint, config.checkpoint_dir, runtime, log, Monitor(*spec.monitor))
     checkpoints.prepare()
     # The checkpoint is read, and its fit to this run checked, before the data and model are built.
     loaded = checkpoints.load(config.checkpoint.resume)

@@ -60,8 +60,9 @@ class TrainingSetup:
         """A fresh set of the task's metrics (one per training window set, one for evaluation)."""
         return check_metrics(self.spec, call_task(self.spec, "metrics()", self.task.metrics))
 
-    def metric_set(self, device: torch.device) -> MetricSet:
-        return MetricSet(self.new_metrics(), device, owner=f"task {self.spec.describe()}")
+    def metric_set(self) -> MetricSet:
+        """The loss and the task's metrics, on the training device, ready to update."""
+        return MetricSet(self.new_metrics(), self.device, owner=f"task {self.spec.describe()}")
 
 
 def _loader(dataset: Dataset[Any], sampler: torch.utils.data.Sampler[int], batch_size: int, num_workers: int,
@@ -164,8 +165,18 @@ def build_training(config: Config, spec: TaskSpec, runtime: Runtime) -> Training
     scaler = torch.amp.GradScaler(device.type, enabled=config.optim.precision == "fp16")
     setup = TrainingSetup(spec, task, data, train_sampler, train_loader, eval_loader, wrapped, sync, optimizer,
                           schedule, scaler, config.optim.precision, device)
-    agreed(runtime, setup.new_metrics, TaskError)  # a metric that cannot be reduced fails now, not at evaluation
+    # A metric that cannot be reduced, or a monitored one that does not exist, fails now, not at evaluation.
+    agreed(runtime, lambda: _check_monitor(spec, setup.new_metrics()), TaskError)
     return setup
+
+
+def _check_monitor(spec: TaskSpec, metrics: dict[str, Any]) -> None:
+    monitor, mode = spec.monitor
+    if monitor not in ("loss", *metrics):
+        raise TaskError(f"task {spec.describe()}: monitor {monitor!r} is not one of its metrics "
+                        f"({', '.join(['loss', *metrics])}); --keep-best keeps the best checkpoint by it")
+    if mode not in ("min", "max"):
+        raise TaskError(f"task {spec.describe()}: monitor_mode must be 'min' or 'max', got {mode!r}")
 
 
 def _task_data(spec: TaskSpec, task: Any, context: TaskContext) -> TaskData:

@@ -73,7 +73,7 @@ def _check_batch(setup: TrainingSetup, runtime: Runtime, split: str, loader: Dat
                         f"got {found}")
     if not loss.dtype.is_floating_point:
         raise TaskError(f"task {spec.describe()}: loss() returned a {loss.dtype} tensor; it must be floating point")
-    metrics = setup.metric_set(runtime.device)
+    metrics = setup.metric_set()
     call_task(spec, f"a metric's update() on the first {split} batch",
               lambda: metrics.update(loss.detach(), detached(outputs), targets))
     call_task(spec, "a metric's compute()", lambda: metrics.compute(runtime, reduce=False))

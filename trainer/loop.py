@@ -48,8 +48,8 @@ class Trainer:
         self.output_dir = Path(config.output.output_dir)
         self.metrics = MetricsWriter(self.output_dir, runtime.is_main, config.output.tensorboard)
         self.progress = ProgressDisplay(config.output.progress, runtime.is_main, log)
-        self.train_metrics = setup.metric_set(runtime.device)
-        self.eval_metrics = setup.metric_set(runtime.device)
+        self.train_metrics = setup.metric_set()
+        self.eval_metrics = setup.metric_set()
         self._last_saved_step = -1
         self._sample_log = None
         if config.output.sample_log:

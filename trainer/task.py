@@ -128,6 +128,11 @@ class TaskSpec:
     def options_type(self) -> type:
         return getattr(self.cls, "Options", NoOptions)
 
+    @property
+    def monitor(self) -> tuple[str, str]:
+        """(the metric --keep-best keeps the best checkpoint by, "min" or "max")."""
+        return getattr(self.cls, "monitor", "loss"), getattr(self.cls, "monitor_mode", "min")
+
     def describe(self) -> str:
         return self.name if self.source == self.name else f"{self.name!r} ({self.source})"
 

@@ -164,3 +164,7 @@ class MetricWithoutState(TinyTask):
 class MetricOfManyNumbers(TinyTask):
     def metrics(self) -> Mapping[str, Any]:
         return {"per_feature": PerFeature()}
+
+
+class MonitorsAMissingMetric(TinyTask):
+    monitor = "f1"

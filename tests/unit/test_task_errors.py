@@ -66,6 +66,7 @@ def test_a_missing_attribute_lists_what_the_module_defines(capsys, tmp_path):
     ("PlainObjectMetric", "metric 'rmse' is a Collector, which cannot be reduced across ranks; use a "
                           "trainer.metrics.Metric"),
     ("MetricWithoutState", "metric 'count' (Counting) declares no state with add_state()"),
+    ("MonitorsAMissingMetric", "monitor 'f1' is not one of its metrics (loss); --keep-best keeps the best checkpoint"),
     ("MetricOfManyNumbers", "task 'tiny' (tests.support.broken_tasks:MetricOfManyNumbers): metric 'per_feature' "
                             "computed a tensor of shape [4]; a metric's value must be one number"),
 ])
