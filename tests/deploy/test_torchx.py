@@ -136,6 +136,37 @@ def test_bare_dist_ddp_gets_the_project_image_and_memory_from_the_torchxconfig()
         assert torchrun_command(container)[1] == ["trainer/main.py"]
 
 
+def test_dist_ddp_as_the_design_card_writes_it_renders_the_script_and_its_flags():
+    job = kubernetes_dry_run("dist.ddp", "-j", "2x4", "trainer/main.py", "--epochs", "3")
+    assert len(job["spec"]["tasks"]) == 2
+    for container in containers(job):
+        assert container["image"] == "ddp-deploy:latest"
+        options, trainer = torchrun_command(container)
+        assert (options["--nnodes"], options["--nproc_per_node"]) == ("2", "4")
+        assert trainer == ["trainer/main.py", "--epochs", "3"]
+
+
+def test_our_dist_ddp_is_torchxs_plus_a_bare_script_and_every_other_builtin_is_torchxs_own():
+    from torchx.components import dist as torchx_dist
+    from torchx.specs import finder
+
+    from torchx_components import dist as ours
+
+    components = {name: component.fn for name, component in finder._load_components().items()}
+    assert components["dist.ddp"] is ours.ddp
+    builtins = finder.ModuleComponentsFinder("torchx.components", "").find()
+    for builtin in builtins:
+        if builtin.name != "dist.ddp":
+            assert components[builtin.name] is builtin.fn, builtin.name  # re-exported as it was
+    assert components["dist.spmd"] is torchx_dist.spmd
+    for kwargs in ({"script": "trainer/main.py"}, {"m": "trainer"}):
+        assert ours.ddp("--epochs", "1", j="2x2", **kwargs) == torchx_dist.ddp("--epochs", "1", j="2x2", **kwargs)
+    assert ours.ddp("trainer/main.py", "--epochs", "1", j="2x2") == \
+        torchx_dist.ddp("--epochs", "1", script="trainer/main.py", j="2x2")
+    with pytest.raises(ValueError, match="exactly one of --script and -m"):
+        ours.ddp("--epochs", "1")  # no script at all: TorchX's own message
+
+
 def test_torchx_run_without_a_component_runs_the_project_component():
     job = kubernetes_dry_run("--", "-j", "2x2", "--", "--epochs", "3")  # the component's flags after `--`
     for container in containers(job):
@@ -186,6 +217,18 @@ def test_dist_ddp_from_the_repository_root_trains_the_script_unchanged(nodes, tm
                     "--rdzv_port", str(free_port()), "--script", "trainer/main.py",
                     "--", *TRAIN_ARGS, "--output-dir", str(tmp_path / "out"))
     assert_trained(result, tmp_path / "out", nodes)
+
+
+@pytest.mark.slow
+def test_the_design_cards_command_trains_two_nodes_of_four_ranks(tmp_path):
+    """`torchx run dist.ddp -j 2x4 trainer/main.py [TRAINER FLAGS]`, exactly so (local_cwd from .torchxconfig)."""
+    flags = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "64", "--epochs",
+             "1", "--batch-size", "8", "--progress", "off", "--no-tensorboard", "--output-dir", str(tmp_path / "out")]
+    result = torchx("run", "dist.ddp", "-j", "2x4", "trainer/main.py", *flags)
+    assert result.returncode == 0 and "Job finished: SUCCEEDED" in result.stderr, result.stderr[-3000:]
+    final = summary(tmp_path / "out")
+    assert final["world_size"] == 8 and sorted(rank["rank"] for rank in final["ranks"]) == list(range(8))
+    assert final["global_step"] == 256 // (8 * 8)
 
 
 @pytest.mark.slow
