@@ -93,11 +93,18 @@ kind-down: ## delete the kind cluster
 
 # Containers (docker/, compose.yaml). Compose settings (NODES, RANKS_PER_NODE, EPOCHS, DATASET, ...) come from
 # the environment, the command line (make compose-up NODES=3) or .env; see .env.example.
-.PHONY: image compose-up compose-down compose-test
+.PHONY: image push compose-up compose-down compose-test
 IMAGE ?= ddp-deploy:latest
+REGISTRY ?=
 
-image: ## build the trainer image: CPU torch (GPU: build arguments in docker/Dockerfile); offline: .ci/docker-setup.sh
-	docker build -f docker/Dockerfile -t $(IMAGE) .
+# Through compose.yaml's build section, so that `make image`, `docker compose up` and CI build alike; its
+# BUILD_* settings pick the base, the torch variant and pip's index (.env.example). The image is labelled
+# with the commit it was built from (with -dirty for uncommitted changes), which `make push` checks.
+image: ## build the trainer image IMAGE: CPU torch by default; GPU and offline builds: BUILD_* in .env.example
+	GIT_COMMIT=$$(scripts/image-revision.sh) IMAGE=$(IMAGE) docker compose build node
+
+push: ## push IMAGE as REGISTRY/ddp-deploy:VERSION and :sha-COMMIT (make image push REGISTRY=registry.example.com/team)
+	scripts/push-image.sh "$(IMAGE)" "$(REGISTRY)"
 
 compose-up: ## NODES (2) containers x RANKS_PER_NODE (2) ranks train together; run again to resume
 	IMAGE=$(IMAGE) docker compose up

@@ -12,12 +12,14 @@
 #   4. wheels:  the trainer's requirements downloaded on the host (pip inside a build cannot verify this
 #               network's TLS) into a wheelhouse outside the clone, so that the next CI run, in a fresh
 #               clone, finds them; keyed by a hash of the requirement list;
-#   5. image:   docker/Dockerfile, the file users build, with pip pointed at that wheelhouse, served
-#               on loopback for the build only (the build shares the host's network for that);
+#   5. image:   `make image` (compose.yaml's build of docker/Dockerfile, what users build), its BUILD_*
+#               settings pointing pip at that wheelhouse, served on loopback for the build only (the build
+#               shares the host's network for that); the settings are kept in BUILD_SETTINGS;
 #   6. example: examples/forecast/Dockerfile, the worked example's image derived from the trainer's.
 # Environment: IMAGE (default ddp-deploy:latest), EXAMPLE_IMAGE (default ddp-forecast:latest), PYTHON (default python3, must match the base's
 # Python), WHEELHOUSE (default /var/cache/ddp-deploy/wheelhouse), WHEELHOUSE_PORT (default 47123; fixed,
-# because build arguments are part of the layer cache).
+# because build arguments are part of the layer cache), BUILD_SETTINGS (default
+# /var/cache/ddp-deploy/build-settings.env).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -31,6 +33,7 @@ BASE_PACKAGES=python3,python3-venv,ca-certificates,netbase,passwd
 SUITE=bookworm
 WHEELHOUSE=${WHEELHOUSE:-/var/cache/ddp-deploy/wheelhouse}
 WHEELHOUSE_PORT=${WHEELHOUSE_PORT:-47123}
+BUILD_SETTINGS=${BUILD_SETTINGS:-/var/cache/ddp-deploy/build-settings.env}
 
 log() { printf '[docker-setup] %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -147,12 +150,33 @@ serve_wheelhouse() {
 set WHEELHOUSE_PORT to a free port"
 }
 
-build_trainer_image() {
+# The settings of that build: `make image` reads them through compose.yaml, as `docker compose up` does, and
+# the tests that build again read them from BUILD_SETTINGS, so that their builds hit this one's cache.
+write_build_settings() {
   local base=$1
-  # TORCH_INDEX_URL empty: the wheelhouse holds PyPI's torch, the only build this network serves.
-  docker build --quiet --network host --file "$ROOT/docker/Dockerfile" --build-arg "BASE_IMAGE=$base" \
-    --build-arg TORCH_INDEX_URL= --build-arg PIP_NO_INDEX=1 \
-    --build-arg "PIP_FIND_LINKS=http://127.0.0.1:$WHEELHOUSE_PORT/" --tag "$IMAGE" "$ROOT" >/dev/null
+  mkdir -p "$(dirname "$BUILD_SETTINGS")"
+  cat >"$BUILD_SETTINGS" <<SETTINGS
+# Written by .ci/docker-setup.sh: how $IMAGE was built here (compose.yaml's BUILD_* settings), and the
+# wheelhouse that a build with these settings needs served on 127.0.0.1:$WHEELHOUSE_PORT.
+BUILD_BASE_IMAGE=$base
+# Empty: the wheelhouse holds PyPI's torch, the only build this network serves.
+BUILD_TORCH_INDEX_URL=
+BUILD_PIP_INDEX_URL=
+BUILD_PIP_FIND_LINKS=http://127.0.0.1:$WHEELHOUSE_PORT/
+BUILD_PIP_NO_INDEX=1
+BUILD_NETWORK=host
+WHEELHOUSE=$WHEELHOUSE
+WHEELHOUSE_PORT=$WHEELHOUSE_PORT
+SETTINGS
+}
+
+build_trainer_image() {
+  local name value
+  while IFS='=' read -r name value; do
+    [[ $name == BUILD_* ]] && export "$name=$value"
+  done <"$BUILD_SETTINGS"
+  make --no-print-directory -C "$ROOT" image IMAGE="$IMAGE" >/tmp/trainer-image-build.log 2>&1 \
+    || die "building $IMAGE failed; see /tmp/trainer-image-build.log: $(tail -n 3 /tmp/trainer-image-build.log)"
   log "trainer image: $IMAGE, $(docker image inspect --format '{{.Size}}' "$IMAGE" | awk '{printf "%.1f GB", $1/1e9}')"
 }
 
@@ -176,7 +200,8 @@ main() {
   log "wheelhouse: $(du -sh "$WHEELHOUSE/" | cut -f1)"
   check_python_matches "$base"
   serve_wheelhouse
-  timed "trainer image" build_trainer_image "$base"
+  write_build_settings "$base"
+  timed "trainer image" build_trainer_image
   timed "example image" build_example_image
 }
 

@@ -16,8 +16,10 @@ import subprocess
 import sys
 import tarfile
 import threading
+import urllib.request
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ import pytest
 
 from tests.support.checkpoints import newest_checkpoint, summary
 from tests.support.preconditions import unavailable
-from tests.support.procs import REPO_ROOT
+from tests.support.procs import REPO_ROOT, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -40,6 +42,8 @@ SHORT_RUN = {"NODES": "2", "RANKS_PER_NODE": "2", "DATASET": "fashion-mnist", "E
 LONG_RUN = {**SHORT_RUN, "EPOCHS": "2", "MAX_TRAIN_SAMPLES": "0", "BATCH_SIZE": "8", "CHECKPOINT_EVERY": "10",
             "RDZV_TIMEOUT_S": "120", "COLLECTIVE_TIMEOUT_S": "120"}
 RUN_TIMEOUT_S = 600
+# How .ci/docker-setup.sh built IMAGE (compose.yaml's BUILD_* settings) and the wheelhouse such a build needs.
+BUILD_SETTINGS = Path(os.environ.get("BUILD_SETTINGS", "/var/cache/ddp-deploy/build-settings.env"))
 
 
 # --- the Dockerfile ---------------------------------------------------------------------------------------
@@ -236,10 +240,39 @@ def project(tmp_path: Path, engine: None) -> Iterator[Project]:
     made.down()
 
 
-def run_fully(project: Project, destination: Path, **settings: str) -> tuple[dict[str, Any], Path]:
+def offline_build_settings() -> dict[str, str]:
+    """The settings .ci/docker-setup.sh built IMAGE with: a build with the same ones hits its layer cache."""
+    if not BUILD_SETTINGS.is_file():
+        unavailable(f"no {BUILD_SETTINGS}: bash .ci/docker-setup.sh writes it when it builds the image")
+    return dict(line.split("=", 1) for line in BUILD_SETTINGS.read_text().splitlines()
+                if line and not line.startswith("#"))
+
+
+@contextmanager
+def serving(folder: Path, port: int) -> Iterator[None]:
+    """`folder` over HTTP on 127.0.0.1:port, as .ci/docker-setup.sh serves the wheelhouse to its build."""
+    server = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", "--directory",
+                               str(folder), str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(100):
+            if server.poll() is not None:
+                raise AssertionError(f"cannot serve {folder} on 127.0.0.1:{port}: {server.communicate()[1][-500:]}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2).close()
+                break
+            except OSError:
+                threading.Event().wait(0.1)
+        yield
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def run_fully(project: Project, destination: Path, bare: bool = False, **settings: str
+              ) -> tuple[dict[str, Any], Path]:
     """One `docker compose up` to the end; every node must exit 0. Returns rank 0's summary and the run's
-    folder, copied out of the volume."""
-    result = project.up(**settings)
+    folder, copied out of the volume. `bare`: exactly `docker compose up`, which builds a missing image."""
+    result = project.compose("up", **settings) if bare else project.up(**settings)
     codes = project.exit_codes()
     assert set(codes.values()) == {0}, f"exit codes {codes}\n{result.stdout[-6000:]}{result.stderr[-2000:]}"
     run_dir = project.copy_runs(destination)
@@ -251,13 +284,33 @@ def run_fully(project: Project, destination: Path, **settings: str) -> tuple[dic
 @pytest.fixture(scope="module")
 def first_run(engine: None, tmp_path_factory: pytest.TempPathFactory
               ) -> Iterator[tuple[Project, dict[str, Any], Path]]:
-    """A short `docker compose up` on a fresh volume, shared by the tests that read what it did."""
+    """A short, bare `docker compose up` on a fresh volume, shared by the tests that read what it did.
+
+    As on a machine that has never built the image: IMAGE names a tag that does not exist, so compose
+    builds it first, with the BUILD_* settings .ci/docker-setup.sh used (so its layers come from the cache
+    of that build) and the wheelhouse served as the build expects it."""
     workdir = tmp_path_factory.mktemp("first-run")
-    project = Project(workdir, {})
+    settings = offline_build_settings()
+    image = f"ddp-deploy:built-by-compose-up-{uuid.uuid4().hex[:8]}"
+    assert docker("image", "inspect", image).returncode != 0
+    project = Project(workdir, {"IMAGE": image, **{name: value for name, value in settings.items()
+                                                   if name.startswith("BUILD_")}})
     try:
-        yield (project, *run_fully(project, workdir / "copied", **SHORT_RUN))
+        with serving(Path(settings["WHEELHOUSE"]), int(settings["WHEELHOUSE_PORT"])):
+            final, run_dir = run_fully(project, workdir / "copied", bare=True, **SHORT_RUN)
+        yield project, final, run_dir
     finally:
         project.down()
+        docker("image", "rm", image)
+
+
+@pytest.mark.docker
+def test_a_bare_compose_up_builds_the_missing_image_from_the_dockerfile_then_trains(first_run):
+    project, final, _ = first_run
+    built = json.loads(docker("image", "inspect", project.settings["IMAGE"]).stdout)[0]
+    assert built["Config"]["Labels"]["org.opencontainers.image.title"] == "ddp-deploy"
+    assert built["Config"]["User"] == "1000:1000" and built["Config"]["Cmd"] == ["ddp-train"]
+    assert final["epochs_completed"] == 1
 
 
 @pytest.mark.docker
@@ -365,3 +418,137 @@ def test_the_example_task_trains_under_compose(how, project, tmp_path):
     final = summary(project.copy_runs(tmp_path))
     assert (final["task"], final["world_size"], final["test_samples"]) == ("forecast", 2, 128)
     assert f"final test mae {final['test_mae']:.4f}, r2 {final['test_r2']:.4f}" in result.stdout
+
+
+# --- make push: to a registry, tagged with the version and the commit ----------------------------------------
+# A real registry (Debian's docker-registry, the Distribution project's server) on loopback. What is pushed
+# is a tiny image labelled like `make image` labels the trainer's: pushing the 6 GB trainer image would take
+# minutes and exercise nothing more of the tagging.
+
+
+@pytest.fixture(scope="module")
+def registry(engine: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    binary = shutil.which("docker-registry")
+    if binary is None:
+        unavailable("Debian's docker-registry is not installed (bash .ci/docker-setup.sh installs it)")
+    folder = tmp_path_factory.mktemp("registry")
+    address = f"127.0.0.1:{free_port()}"
+    config = folder / "config.yml"
+    config.write_text(f"version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n"
+                      f"    rootdirectory: {folder / 'data'}\nhttp:\n  addr: {address}\n")
+    server = subprocess.Popen([binary, "serve", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True)
+    try:
+        for _ in range(100):
+            assert server.poll() is None, f"the registry did not start: {server.communicate()[1][-1000:]}"
+            try:
+                urllib.request.urlopen(f"http://{address}/v2/", timeout=2).close()
+                break
+            except OSError:
+                threading.Event().wait(0.1)
+        yield address
+    finally:
+        server.terminate()
+        server.wait()
+
+
+@pytest.fixture
+def clean_clone(tmp_path: Path) -> Path:
+    """This repository's HEAD in a clone of its own: nothing uncommitted, whatever the developer's tree holds."""
+    clone = tmp_path / "clone"
+    cloned = subprocess.run(["git", "clone", "--quiet", str(REPO_ROOT), str(clone)], capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert cloned.returncode == 0, cloned.stderr
+    return clone
+
+
+def git_head(clone: Path) -> str:
+    return subprocess.run(["git", "-C", str(clone), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+@pytest.fixture
+def labelled_image(tmp_path: Path, engine: None) -> Iterator[tuple[str, Path]]:
+    """Builds a tiny image with the given commit label (the caller writes it); yields its tag and context."""
+    tag = f"ddp-push-test:{uuid.uuid4().hex[:8]}"
+    context = tmp_path / "context"
+    context.mkdir()
+    (context / "Dockerfile").write_text("FROM scratch\nCOPY revision /revision\n")
+    yield tag, context
+    listed = docker("image", "ls", "--format", "{{.Repository}}:{{.Tag}}")
+    built_id = docker("image", "inspect", "--format", "{{.Id}}", tag).stdout.strip()
+    for reference in listed.stdout.split():
+        if built_id and docker("image", "inspect", "--format", "{{.Id}}", reference).stdout.strip() == built_id:
+            docker("image", "rm", reference)
+
+
+def build_labelled(tag: str, context: Path, revision: str) -> str:
+    (context / "revision").write_text(revision)
+    built = docker("build", "--quiet", "--label", f"org.opencontainers.image.revision={revision}", "--tag", tag,
+                   str(context))
+    assert built.returncode == 0, built.stderr
+    return docker("image", "inspect", "--format", "{{.Id}}", tag).stdout.strip()
+
+
+def push(clone: Path, image: str, registry: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(clone / "scripts" / "push-image.sh"), image, registry], capture_output=True, text=True,
+                          timeout=300, check=False)
+
+
+@pytest.mark.docker
+def test_make_push_tags_the_image_with_the_version_and_the_commit_and_pushes_both(registry, clean_clone,
+                                                                                  labelled_image):
+    tag, context = labelled_image
+    head = git_head(clean_clone)
+    image_id = build_labelled(tag, context, head)
+    result = subprocess.run(["make", "--no-print-directory", "-C", str(clean_clone), "push", f"IMAGE={tag}",
+                             f"REGISTRY={registry}/team"], capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    version = re.search(r'^version = "(.+)"$', (REPO_ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    expected = {version, f"sha-{head[:12]}"}
+    listed = json.load(urllib.request.urlopen(f"http://{registry}/v2/team/ddp-deploy/tags/list", timeout=10))
+    assert set(listed["tags"]) == expected
+    for pushed in expected:
+        request = urllib.request.Request(f"http://{registry}/v2/team/ddp-deploy/manifests/{pushed}",
+                                         headers={"Accept": "application/vnd.docker.distribution.manifest.v2+json"})
+        manifest = json.load(urllib.request.urlopen(request, timeout=10))
+        assert manifest["config"]["digest"] == image_id, "the registry holds the very image that was built"
+    assert f"point the Kubernetes manifests at it: make k8s-image IMAGE={registry}/team/ddp-deploy:sha-{head[:12]}" \
+        in result.stdout
+
+
+@pytest.mark.docker
+def test_make_push_refuses_with_one_line_what_would_push_a_wrong_or_unreachable_tag(registry, clean_clone,
+                                                                                     labelled_image):
+    tag, context = labelled_image
+    head = git_head(clean_clone)
+    target = f"{registry}/refused"
+    closed = f"127.0.0.1:{free_port()}"
+
+    def refused(image: str, where: str) -> str:
+        result = push(clean_clone, image, where)
+        assert (result.returncode, result.stdout) == (2, ""), (image, where, result.stdout + result.stderr)
+        assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
+        return result.stderr.rstrip("\n")
+
+    build_labelled(tag, context, "0" * 40)
+    assert refused(tag, "") == ("error: set REGISTRY to where the image goes: "
+                                "make image push REGISTRY=registry.example.com/team")
+    assert refused(tag, "https://registry.example.com") == (
+        "error: REGISTRY=https://registry.example.com: no scheme, only host[:port][/path], "
+        "e.g. REGISTRY=registry.example.com/team")
+    assert refused("ddp-push-test:never-built", target) == (
+        f"error: no image ddp-push-test:never-built here: build it with make image push REGISTRY={target}")
+    assert refused(tag, target) == (f"error: {tag} was built from {'0' * 40}, not from HEAD ({head}): "
+                                    f"build and push together, make image push REGISTRY={target}")
+    build_labelled(tag, context, head)
+    assert refused(tag, "Registry.Example.com/Team").startswith(
+        "error: REGISTRY=Registry.Example.com/Team does not make a valid image name")
+    unreachable = refused(tag, closed)
+    assert unreachable.startswith(f"error: could not push {closed}/ddp-deploy:")
+    assert "connection refused" in unreachable and unreachable.endswith(f"(docker login {closed} if it needs credentials)")
+    (clean_clone / "notes.txt").write_text("not committed\n")
+    assert refused(tag, target) == ("error: the working tree has uncommitted changes: commit them, "
+                                    f"then make image push REGISTRY={target}")
+    catalog = json.load(urllib.request.urlopen(f"http://{registry}/v2/_catalog", timeout=10))
+    assert "refused/ddp-deploy" not in (catalog["repositories"] or []), "nothing was pushed"
