@@ -15,7 +15,8 @@
 #   5. image:   `make image` (compose.yaml's build of docker/Dockerfile, what users build), its BUILD_*
 #               settings pointing pip at that wheelhouse, served on loopback for the build only (the build
 #               shares the host's network for that); the settings are kept in BUILD_SETTINGS;
-#   6. example: examples/forecast/Dockerfile, the worked example's image derived from the trainer's.
+#   6. example: examples/forecast/Dockerfile, the worked example's image derived from the trainer's;
+#   7. registry: Debian's docker-registry, for the tests of `make push` (they start their own on loopback).
 # Environment: IMAGE (default ddp-deploy:latest), EXAMPLE_IMAGE (default ddp-forecast:latest), PYTHON (default python3, must match the base's
 # Python), WHEELHOUSE (default /var/cache/ddp-deploy/wheelhouse), WHEELHOUSE_PORT (default 47123; fixed,
 # because build arguments are part of the layer cache), BUILD_SETTINGS (default
@@ -76,6 +77,17 @@ install_compose() {
   mkdir -p "$plugins"
   ln -sf "$tools/bin/docker-compose" "$plugins/docker-compose"
   docker compose version >/dev/null || die "docker compose does not run from $plugins/docker-compose"
+}
+
+# Debian's docker-registry (the Distribution project's server): the push tests run one on loopback.
+install_registry() {
+  if command -v docker-registry >/dev/null; then
+    log "registry: $(docker-registry --version 2>/dev/null | awk '{print $NF}')"
+    return
+  fi
+  [ "$(id -u)" = 0 ] || die "installing docker-registry needs root"
+  apt-get update -qq >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-registry >/dev/null
 }
 
 # Prints the base image's name.
@@ -190,6 +202,7 @@ build_example_image() {
 main() {
   timed engine start_engine
   timed compose install_compose
+  timed registry install_registry
   # The download and the base image wait on different things (PyPI, Debian's mirror): both at once.
   timed wheelhouse ensure_wheelhouse &
   local wheels=$! base

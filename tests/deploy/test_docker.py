@@ -273,6 +273,9 @@ def run_fully(project: Project, destination: Path, bare: bool = False, **setting
     """One `docker compose up` to the end; every node must exit 0. Returns rank 0's summary and the run's
     folder, copied out of the volume. `bare`: exactly `docker compose up`, which builds a missing image."""
     result = project.compose("up", **settings) if bare else project.up(**settings)
+    if docker("ps", "--all", "--quiet", "--filter", f"label=com.docker.compose.project={project.name}").stdout == "":
+        raise AssertionError(f"`docker compose up` started no container (exit {result.returncode}):\n"
+                             f"{result.stdout[-3000:]}{result.stderr[-3000:]}")
     codes = project.exit_codes()
     assert set(codes.values()) == {0}, f"exit codes {codes}\n{result.stdout[-6000:]}{result.stderr[-2000:]}"
     run_dir = project.copy_runs(destination)
@@ -546,7 +549,8 @@ def test_make_push_refuses_with_one_line_what_would_push_a_wrong_or_unreachable_
         "error: REGISTRY=Registry.Example.com/Team does not make a valid image name")
     unreachable = refused(tag, closed)
     assert unreachable.startswith(f"error: could not push {closed}/ddp-deploy:")
-    assert "connection refused" in unreachable and unreachable.endswith(f"(docker login {closed} if it needs credentials)")
+    assert "connection refused" in unreachable
+    assert unreachable.endswith(f"(docker login {closed} if it needs credentials)")
     (clean_clone / "notes.txt").write_text("not committed\n")
     assert refused(tag, target) == ("error: the working tree has uncommitted changes: commit them, "
                                     f"then make image push REGISTRY={target}")
