@@ -73,7 +73,7 @@ clean: ## remove runs and caches (not the venv)
 	rm -rf runs .pytest_cache .ruff_cache
 
 # Kubernetes (k8s/): offline checks here; a kind cluster on a machine with Docker and a registry.
-.PHONY: k8s-validate k8s-test kind-up kind-test kind-down
+.PHONY: k8s-validate k8s-test k8s-image kind-up kind-test kind-down
 
 k8s-validate: venv ## render every manifest and overlay; check them against the APIs, operator rules, kind scripts
 	$(BIN)/pytest -q tests/deploy/test_k8s_manifests.py tests/deploy/test_k8s_operator.py tests/deploy/test_k8s_kind.py
@@ -90,6 +90,11 @@ kind-test: ## wait for the kind job to succeed or fail, print its logs
 
 kind-down: ## delete the kind cluster
 	scripts/kind-cluster.sh down
+
+# IMAGE only when given (command line or environment): without it, k8s/pytorchjob.yaml is brought in line.
+k8s-image: ## point every Kubernetes manifest at IMAGE [and CUDA_IMAGE]: make k8s-image IMAGE=registry.example.com/team/ddp-deploy:0.1.0
+	$(PYTHON) scripts/k8s_image.py $(if $(filter-out default file,$(origin IMAGE)),--image '$(IMAGE)') \
+	  $(if $(CUDA_IMAGE),--cuda-image '$(CUDA_IMAGE)')
 
 # Containers (docker/, compose.yaml). Compose settings (NODES, RANKS_PER_NODE, EPOCHS, DATASET, ...) come from
 # the environment, the command line (make compose-up NODES=3) or .env; see .env.example.

@@ -6,14 +6,18 @@ on the base, each overlay and the Trainer v2 variant.
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
 
-from tests.support.k8s_manifests import K8S_DIR, PLAIN_DIR, SOURCES, Obj, config_maps, of_kind, render
+from tests.support.k8s_manifests import K8S_DIR, PLAIN_DIR, SOURCES, Obj, config_maps, images, of_kind, render
 from tests.support.k8s_operator import CONTAINER, PodPlan, admission_errors, pod_plans
 from tests.support.kubeflow_api import CHECKS, api_errors
+from tests.support.procs import REPO_ROOT
 from trainer.cli import parse_config
 from trainer.config import Config
 
@@ -236,3 +240,80 @@ def test_trainjob_runs_torchrun_in_the_torch_runtime(tmp_path):
     assert trainer["command"][0] == "torchrun"
     assert not any(e["name"].startswith("PET_") for e in trainer.get("env", []))
 
+
+
+# --- the image: named in one place (k8s/components/image), changed without editing YAML ---------------------
+
+IMAGE_SCRIPT = REPO_ROOT / "scripts" / "k8s_image.py"
+
+
+def test_the_folder_copy_of_the_job_is_in_line_with_the_base_and_the_image_component():
+    checked = subprocess.run([sys.executable, str(IMAGE_SCRIPT), "--check"], capture_output=True, text=True,
+                             timeout=60, check=False)
+    assert checked.returncode == 0, checked.stderr
+
+
+@pytest.fixture
+def k8s_copy(tmp_path: Path) -> Path:
+    """The manifests, the script and the Makefile in a folder of their own, to be changed by `make k8s-image`."""
+    shutil.copytree(K8S_DIR, tmp_path / "k8s", symlinks=True)
+    shutil.copytree(REPO_ROOT / "scripts", tmp_path / "scripts")
+    shutil.copy(REPO_ROOT / "Makefile", tmp_path / "Makefile")
+    return tmp_path
+
+
+def make_k8s_image(root: Path, *settings: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["make", "--no-print-directory", "-C", str(root), "k8s-image", *settings,
+                           f"PYTHON={sys.executable}"], capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_make_k8s_image_points_every_manifest_and_overlay_at_the_registry(k8s_copy):
+    cpu = "registry.example.com:5000/team/ddp-deploy:sha-0123456789ab"
+    cuda = "registry.example.com/ddp-deploy@sha256:" + "a" * 64
+    before = {path: path.read_text() for path in (k8s_copy / "k8s").rglob("*.yaml") if not path.is_symlink()}
+    made = make_k8s_image(k8s_copy, f"IMAGE={cpu}", f"CUDA_IMAGE={cuda}")
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert f"the manifests run {cpu} (GPU overlays: {cuda})" in made.stdout
+    changed = {path.relative_to(k8s_copy).as_posix() for path, text in before.items() if path.read_text() != text}
+    assert changed == {"k8s/components/image/kustomization.yaml", "k8s/pytorchjob.yaml"}
+    expected = {PLAIN_DIR: {cpu}, "k8s/base": {cpu}, "k8s/overlays/elastic": {cpu}, "k8s/trainer-v2": {cpu},
+                "k8s/overlays/gpu-single-node": {cuda}, "k8s/overlays/gpu-multi-node": {cuda},
+                # Local images by design: the one kind loads onto its node, and the example's derived image.
+                "k8s/overlays/kind": {"ddp-deploy:latest"}, "k8s/overlays/example": {"ddp-forecast:latest"}}
+    assert set(expected) == set(SOURCES)
+    assert {source: images(render(source, k8s_copy)) for source in SOURCES} == expected
+    checked = subprocess.run([sys.executable, str(k8s_copy / "scripts" / "k8s_image.py"), "--check"],
+                             capture_output=True, text=True, timeout=60, check=False)
+    assert checked.returncode == 0, checked.stderr
+    # Only IMAGE given: the CUDA image stays; nothing given: the files are only brought in line.
+    assert make_k8s_image(k8s_copy, "IMAGE=ddp-deploy:0.2.0").returncode == 0
+    assert images(render("k8s/overlays/gpu-multi-node", k8s_copy)) == {cuda}
+    assert images(render(PLAIN_DIR, k8s_copy)) == {"ddp-deploy:0.2.0"}
+
+
+def test_a_hand_edit_of_the_image_component_is_caught_until_make_k8s_image_runs(k8s_copy):
+    component = k8s_copy / "k8s" / "components" / "image" / "kustomization.yaml"
+    component.write_text(component.read_text().replace('newTag: "latest"', 'newTag: "0.3.0"', 1))
+    script = [sys.executable, str(k8s_copy / "scripts" / "k8s_image.py")]
+    stale = subprocess.run([*script, "--check"], capture_output=True, text=True, timeout=60, check=False)
+    assert (stale.returncode, stale.stderr) == (1, "error: k8s/pytorchjob.yaml is out of date: run make k8s-image\n")
+    assert make_k8s_image(k8s_copy).returncode == 0
+    assert images(render(PLAIN_DIR, k8s_copy)) == images(render("k8s/base", k8s_copy)) == {"ddp-deploy:0.3.0"}
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ("IMAGE=registry.example.com/team/ddp-deploy", "error: IMAGE=registry.example.com/team/ddp-deploy names no "
+     "tag: give the version (e.g. registry.example.com/team/ddp-deploy:0.1.0); nodes keep an image they have "
+     "(imagePullPolicy: IfNotPresent), so a moving tag goes stale"),
+    ("IMAGE=https://registry.example.com/ddp-deploy:1", "error: IMAGE=https://registry.example.com/ddp-deploy:1 is "
+     "not an image reference: [host[:port]/]path:tag, lower case, no scheme (e.g. "
+     "IMAGE=registry.example.com/team/ddp-deploy:0.1.0)"),
+    ("CUDA_IMAGE=Registry/DDP:cuda", "error: CUDA_IMAGE=Registry/DDP:cuda is not an image reference"),
+])
+def test_a_bad_image_reference_is_refused_in_one_line_and_changes_nothing(k8s_copy, setting, message):
+    before = {path: path.read_text() for path in (k8s_copy / "k8s").rglob("*.yaml")}
+    made = make_k8s_image(k8s_copy, setting)
+    assert made.returncode != 0
+    (line,) = [line for line in made.stderr.splitlines() if not line.startswith("make")]
+    assert line.startswith(message), line
+    assert {path: path.read_text() for path in before} == before

