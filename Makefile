@@ -16,7 +16,7 @@ help: ## list the targets
 
 # The example's package too, as its image has it: the Kubernetes and TorchX tests run it from this venv.
 $(BIN)/ddp-train: pyproject.toml examples/forecast/pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+	"$(PYTHON)" -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
 	$(BIN)/pip install --quiet --no-deps -e examples/forecast
@@ -93,7 +93,7 @@ kind-down: ## delete the kind cluster
 
 # IMAGE only when given (command line or environment): without it, k8s/pytorchjob.yaml is brought in line.
 k8s-image: ## point every Kubernetes manifest at IMAGE [and CUDA_IMAGE]: make k8s-image IMAGE=registry.example.com/team/ddp-deploy:0.1.0
-	$(PYTHON) scripts/k8s_image.py $(if $(filter-out default file,$(origin IMAGE)),--image '$(IMAGE)') \
+	"$(PYTHON)" scripts/k8s_image.py $(if $(filter-out default file,$(origin IMAGE)),--image '$(IMAGE)') \
 	  $(if $(CUDA_IMAGE),--cuda-image '$(CUDA_IMAGE)')
 
 # Containers (docker/, compose.yaml). Compose settings (NODES, RANKS_PER_NODE, EPOCHS, DATASET, ...) come from

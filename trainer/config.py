@@ -95,6 +95,8 @@ class DistConfig:
     rendezvous_timeout_s: float = option(300.0, "how long to wait for the master address to accept connections")
     collective_timeout_s: float = option(600.0, "timeout of init_process_group and of each collective")
     threads_per_rank: int = option(0, "torch threads per rank on CPU (0: OMP_NUM_THREADS, else cores / local ranks)")
+    master_port: int = option(0, "the master's TCP port where the launcher names none (Slurm's srun); 0: MASTER_PORT, "
+                                 "else 20000 + the job id mod 10000")
 
     def __post_init__(self) -> None:
         check_choice(self.device, "device", ("auto", "cpu", "cuda"))
@@ -102,6 +104,7 @@ class DistConfig:
         check(self.rendezvous_timeout_s > 0, "--rendezvous-timeout-s must be > 0")
         check(self.collective_timeout_s > 0, "--collective-timeout-s must be > 0")
         check(self.threads_per_rank >= 0, "--threads-per-rank must be >= 0")
+        check(0 <= self.master_port <= 65535, f"--master-port {self.master_port}: a TCP port is 1-65535 (0: derived)")
 
 
 @dataclass

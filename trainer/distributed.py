@@ -48,6 +48,9 @@ def choose_device(config: DistConfig, identity: DistIdentity, cuda_count: int | 
         return torch.device("cpu")
     if available == 0:
         raise DeviceError("--device cuda but this machine has no CUDA device; use --device cpu or auto")
+    if identity.launcher == "slurm" and available == 1 < identity.local_world_size:
+        # srun --gpus-per-task=1 (or --gpu-bind) shows each task its own GPU only, as device 0.
+        return torch.device("cuda", 0)
     if identity.local_rank >= available:
         raise DeviceError(
             f"local rank {identity.local_rank} needs GPU {identity.local_rank} but this node has {available} "

@@ -8,6 +8,12 @@ This is the only module that reads launcher variables. Dialects:
   and ``WORLD_SIZE`` is replicas x nprocPerNode, so ``RANK`` is a process rank only when each
   pod runs one process. ``PET_*`` variables are torchrun's own options.
 * Kubeflow Trainer v2 (TrainJob): only ``PET_*``; the command must be ``torchrun``.
+* Slurm, one task per rank (``srun python -m trainer``): ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``,
+  ``SLURM_LOCALID``, ``SLURM_STEP_TASKS_PER_NODE``, ``SLURMD_NODENAME``, ``SLURM_STEP_NODELIST`` (the
+  master is its first host), ``SLURM_JOB_ID`` (the port: 20000 + id mod 10000, unless ``MASTER_PORT`` or
+  ``--master-port`` names one), ``SLURM_RESTART_COUNT``. Only inside an ``srun`` step (``SLURM_STEP_ID``):
+  the batch script itself also sees ``SLURM_PROCID=0`` and the job's task count. One ``torchrun`` per
+  node under ``srun`` is the torchrun dialect: its variables win over Slurm's.
 * Plain (Docker Compose, hand-written): ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``.
 * Nothing set: one process.
 """
@@ -19,10 +25,16 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 from trainer.errors import LaunchEnvError
+from trainer.hostlist import expand_counts, expand_hostlist
 
 __all__ = ["LAUNCHER_PREFIXES", "LAUNCHER_VARIABLES", "DistIdentity", "identity_from_env", "without_launcher_variables"]
 
 TORCHRUN_HINT = "start the trainer through torchrun (torchrun --nnodes ... --nproc-per-node ... trainer/main.py)"
+SRUN_HINT = ("start one task per rank with srun (srun python -m trainer ...), or one torchrun per node "
+             "(see slurm/train.sbatch)")
+# Slurm job ids map to ports 20000-29999: below Linux's ephemeral range (32768-), so no outgoing
+# connection holds one, and two jobs sharing a node collide only when their ids are 10000 apart.
+SLURM_PORT_BASE, SLURM_PORT_SPAN = 20000, 10000
 # Every variable this module reads, and the prefixes of families of them: a process started from a
 # launched one (a test, a benchmark, a nested launcher) must not inherit its parent's place in a group.
 LAUNCHER_VARIABLES = (
@@ -30,7 +42,7 @@ LAUNCHER_VARIABLES = (
     "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
     "TORCHELASTIC_USE_AGENT_STORE",
 )
-LAUNCHER_PREFIXES = ("PET_",)
+LAUNCHER_PREFIXES = ("PET_", "SLURM_", "SLURMD_")
 
 
 def without_launcher_variables(environ: Mapping[str, str]) -> dict[str, str]:
@@ -51,7 +63,7 @@ class DistIdentity:
     master_port: int
     launcher: str
     hostname: str
-    restart_count: int = 0  # torchrun's TORCHELASTIC_RESTART_COUNT: which attempt this is
+    restart_count: int = 0  # which attempt this is: torchrun's TORCHELASTIC_RESTART_COUNT, SLURM_RESTART_COUNT
     agent_store: bool = False  # torchrun's agent already serves the store at MASTER_ADDR:MASTER_PORT
 
     @property
@@ -102,14 +114,25 @@ def _master(env: Mapping[str, str], world_size: int, fix: str) -> tuple[str, int
     return env["MASTER_ADDR"].strip(), port
 
 
-def identity_from_env(env: Mapping[str, str], hostname: str | None = None) -> DistIdentity:
-    """Read the launcher's variables into a DistIdentity; one clear error for each inconsistency."""
+def identity_from_env(env: Mapping[str, str], hostname: str | None = None, master_port: int = 0) -> DistIdentity:
+    """Read the launcher's variables into a DistIdentity; one clear error for each inconsistency.
+
+    ``master_port``: the port to use where the launcher names none (Slurm; --master-port), 0 to derive it."""
     host = hostname or socket.gethostname()
     has = {name for name, value in env.items() if value.strip()}
     pet = sorted(name for name in has if name.startswith("PET_"))
     under_torchrun = "TORCHELASTIC_RUN_ID" in has or {"LOCAL_RANK", "LOCAL_WORLD_SIZE"} <= has
 
     if not has & {"RANK", "WORLD_SIZE", "LOCAL_RANK"}:
+        if "SLURM_STEP_ID" in has and "SLURM_PROCID" in has:
+            return _slurm_identity(env, has, host, master_port)
+        if "SLURM_JOB_ID" in has and "SLURM_NTASKS" in has:
+            tasks = _int(env, "SLURM_NTASKS", "set by Slurm", minimum=1)
+            if tasks > 1:
+                raise LaunchEnvError(
+                    f"SLURM_NTASKS={tasks} but this process runs in the batch script itself, not in an srun "
+                    f"step, so it would train alone as rank 0 of {tasks} and wait for the rest; {SRUN_HINT}"
+                )
         if pet:
             raise LaunchEnvError(
                 f"{', '.join(pet)} set but RANK and WORLD_SIZE are not: PET_* variables are torchrun's "
@@ -189,3 +212,52 @@ def _refuse_node_rank_as_process_rank(env: Mapping[str, str], world_size: int) -
                 f"{world_size // max(nnodes, 1)} processes, so RANK is the pod's index, not a process rank; "
                 f"{TORCHRUN_HINT}"
             )
+
+
+def _slurm_identity(env: Mapping[str, str], has: set[str], host: str, master_port: int) -> DistIdentity:
+    """One srun task per rank. The step's variables, not the job's: a step may use part of the allocation."""
+    def step_or_job(step_name: str, job_name: str) -> str:
+        return step_name if step_name in has else job_name
+
+    tasks_name = step_or_job("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+    nodes_name = step_or_job("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST")
+    per_node_name = step_or_job("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+    for name in (tasks_name, nodes_name, per_node_name, "SLURM_LOCALID"):
+        if name not in has:
+            raise LaunchEnvError(f"SLURM_PROCID is set but {name} is not: not a complete srun environment; {SRUN_HINT}")
+    world_size = _int(env, tasks_name, "set by srun", minimum=1)
+    rank = _int(env, "SLURM_PROCID", "set by srun")
+    if rank >= world_size:
+        raise LaunchEnvError(f"SLURM_PROCID={rank} is not below {tasks_name}={world_size}; ranks run from 0 to "
+                             f"{world_size - 1}: do not set Slurm's variables by hand, {SRUN_HINT}")
+    nodes = expand_hostlist(env[nodes_name])
+    per_node = expand_counts(env[per_node_name])
+    if len(per_node) != len(nodes) or sum(per_node) != world_size:
+        raise LaunchEnvError(f"{per_node_name}={env[per_node_name]} does not give {tasks_name}={world_size} tasks "
+                             f"on the {len(nodes)} node(s) of {nodes_name}={env[nodes_name]}; {SRUN_HINT}")
+    node_name = env.get("SLURMD_NODENAME", "").strip()
+    if node_name in nodes:
+        node_rank = nodes.index(node_name)
+    else:
+        node_rank = _int(env, "SLURM_NODEID", "set by srun") if "SLURM_NODEID" in has else 0
+        if node_rank >= len(nodes):
+            raise LaunchEnvError(f"SLURM_NODEID={node_rank} but {nodes_name}={env[nodes_name]} has {len(nodes)} "
+                                 f"node(s); {SRUN_HINT}")
+    local_world_size = per_node[node_rank]
+    local_rank = _int(env, "SLURM_LOCALID", "set by srun")
+    if local_rank >= local_world_size:
+        raise LaunchEnvError(f"SLURM_LOCALID={local_rank} is not below the {local_world_size} task(s) that "
+                             f"{per_node_name}={env[per_node_name]} gives node {node_rank}; {SRUN_HINT}")
+    master_addr, port = env.get("MASTER_ADDR", "").strip() or nodes[0], master_port
+    if "MASTER_PORT" in has:
+        port = _int(env, "MASTER_PORT", "set MASTER_PORT to the master's TCP port (1-65535)", minimum=1)
+    elif not port:
+        if "SLURM_JOB_ID" not in has:
+            raise LaunchEnvError("SLURM_JOB_ID is not set, so no master port can be derived from it; set "
+                                 "MASTER_PORT or --master-port")
+        port = SLURM_PORT_BASE + _int(env, "SLURM_JOB_ID", "set by Slurm") % SLURM_PORT_SPAN
+    if port > 65535:
+        raise LaunchEnvError(f"master port {port} is not a TCP port; set MASTER_PORT or --master-port to 1-65535")
+    restart_count = _int(env, "SLURM_RESTART_COUNT", "set by Slurm") if "SLURM_RESTART_COUNT" in has else 0
+    return DistIdentity(rank, local_rank, world_size, local_world_size, node_rank, len(nodes), master_addr, port,
+                        "slurm", host, restart_count)

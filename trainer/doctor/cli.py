@@ -106,7 +106,7 @@ def diagnose(runtime: Runtime, config: DoctorConfig, probe_type: type[Probe] = P
 
 def run(config: DoctorConfig, dist_config: DistConfig, environ: Mapping[str, str],
         probe_type: type[Probe] = Probe) -> int:
-    identity = identity_from_env(environ)
+    identity = identity_from_env(environ, master_port=dist_config.master_port)
     if identity.is_main and config.json and not Path(config.json).resolve().parent.is_dir():
         raise ConfigError(f"--json {config.json}: folder {Path(config.json).resolve().parent} does not exist")
     device = choose_device(dist_config, identity)
