@@ -96,6 +96,17 @@ k8s-image: ## point every Kubernetes manifest at IMAGE [and CUDA_IMAGE]: make k8
 	"$(PYTHON)" scripts/k8s_image.py $(if $(filter-out default file,$(origin IMAGE)),--image '$(IMAGE)') \
 	  $(if $(CUDA_IMAGE),--cuda-image '$(CUDA_IMAGE)')
 
+# Slurm (slurm/train.sbatch). A local cluster: two emulated nodes on this machine, as CI runs the tests on.
+.PHONY: slurm-up slurm-down slurm-test
+slurm-up: ## a local Slurm cluster to submit to (as root; nodes n1 and n2, 2 CPUs each): sbatch slurm/train.sbatch
+	scripts/slurm-local.sh
+
+slurm-down: ## stop the local Slurm cluster
+	scripts/slurm-local.sh stop
+
+slurm-test: venv ## slurm/train.sbatch on the cluster: 2 nodes x 2 tasks, requeued twice, torchrun per node, bad inputs
+	$(BIN)/pytest -q -ra tests/deploy/test_slurm.py
+
 # Containers (docker/, compose.yaml). Compose settings (NODES, RANKS_PER_NODE, EPOCHS, DATASET, ...) come from
 # the environment, the command line (make compose-up NODES=3) or .env; see .env.example.
 .PHONY: image push compose-up compose-down compose-test

@@ -7,6 +7,7 @@ start while later layers are still computing gradients).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -17,6 +18,7 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 from trainer.distributed import Runtime
 from trainer.errors import ConfigError
 from trainer.registry import Registry
+from trainer.rng import capture_rng, restore_rng
 
 __all__ = ["SYNC_METHODS", "GradSync", "build_grad_sync", "unwrap"]
 
@@ -36,6 +38,10 @@ class GradSync:
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager[object]:
         return nullcontext()
+
+    def prime(self, model: nn.Module, first_loss: Callable[[], torch.Tensor]) -> None:
+        """Once per process, before the first step, given the loss of the first batch: settle whatever
+        would otherwise change after the first step. Changes no parameter, buffer or random state."""
 
     def after_backward(self, model: nn.Module) -> None:
         """Average the gradients across ranks (in place)."""
@@ -60,6 +66,32 @@ class DDPSync(GradSync):
 
     def no_sync(self, model: nn.Module) -> AbstractContextManager[object]:
         return model.no_sync() if isinstance(model, DistributedDataParallel) else nullcontext()
+
+    def prime(self, model: nn.Module, first_loss: Callable[[], torch.Tensor]) -> None:
+        """Fix DDP's gradient buckets before the first step, so that every step of every process reduces
+        each gradient at the same place in the same bucket.
+
+        DDP reduces the first backward in one bucket in parameter order, then rebuilds its buckets in the
+        order the gradients became ready. Where a gradient sits decides the order in which gloo's ring (and
+        NCCL) adds up the ranks' values, and with three ranks or more a different order changes the last bits.
+        A resumed process would reduce its first step in the first layout where the uninterrupted run used the
+        rebuilt one, and end with other parameters. So each process records the order here, with one backward
+        of the first batch's loss times zero; the model's buffers (BatchNorm's statistics) and the random
+        generators are put back, and the zero gradients dropped. Cost: one forward and backward at start.
+        """
+        ddp = _ddp_inside(model)
+        if ddp is None:
+            return
+        buffers = [buffer.detach().clone() for buffer in ddp.module.buffers()]
+        generators = capture_rng()
+        try:
+            (first_loss() * 0).backward()
+        finally:
+            restore_rng(generators)
+            with torch.no_grad():
+                for buffer, kept in zip(ddp.module.buffers(), buffers, strict=True):
+                    buffer.copy_(kept)
+            ddp.zero_grad(set_to_none=True)
 
 
 class AllReduceSync(GradSync):
@@ -127,6 +159,15 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = model._orig_mod  # torch.compile's OptimizedModule
         else:
             return model
+
+
+def _ddp_inside(model: nn.Module) -> DistributedDataParallel | None:
+    """The DDP wrapper of a model that may also be compiled (torch.compile wraps DDP, see trainer.build)."""
+    while not isinstance(model, DistributedDataParallel):
+        if not hasattr(model, "_orig_mod"):
+            return None
+        model = model._orig_mod
+    return model
 
 
 def broadcast_state(model: nn.Module, runtime: Runtime) -> None:

