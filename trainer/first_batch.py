@@ -6,9 +6,6 @@ collective. Here each becomes one line (naming the item's index where one is at 
 before anything is trained or saved. Nothing here changes what training does next: the model is run
 in evaluation mode without gradients (no BatchNorm statistics move, no collective runs), and the
 random generators are restored afterwards.
-
-Then the gradient synchronisation is primed with the first training batch (``GradSync.prime``: DDP fixes
-its buckets, so that a resumed process reduces gradients exactly as the uninterrupted one did).
 """
 
 from __future__ import annotations
@@ -39,25 +36,6 @@ def check_first_batches(setup: TrainingSetup, runtime: Runtime) -> None:
                 if keys:
                     _check_batch(setup, runtime, split, loader, keys)
     agreed(runtime, check, TaskError)
-
-
-def prime_gradient_sync(setup: TrainingSetup, runtime: Runtime) -> None:
-    loader = setup.train_loader
-    keys = _first_keys(loader)
-    if not keys:  # every rank alike: the sampler gives each the same number of samples
-        return
-    dataset = loader.dataset
-    assert isinstance(dataset, SeededItems)
-
-    def first_loss() -> Tensor:
-        batch = loader.collate_fn(dataset.__getitems__(keys))
-        inputs, targets = to_device(batch[0], runtime.device), to_device(batch[1], runtime.device)
-        with setup.autocast():
-            loss: Tensor = setup.task.loss(setup.model(inputs), targets)
-        return loss
-
-    call_task(setup.spec, "the first training batch's forward and backward pass",
-              lambda: setup.sync.prime(setup.model, first_loss))
 
 
 def _first_keys(loader: DataLoader[Any]) -> list[int]:

@@ -10,7 +10,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from trainer.build import TrainingSetup
@@ -20,13 +20,13 @@ from trainer.config import Config
 from trainer.distributed import Runtime
 from trainer.errors import CheckpointError, Preempted, first_line
 from trainer.evaluation import detached, evaluate
-from trainer.first_batch import check_first_batches, prime_gradient_sync
+from trainer.first_batch import check_first_batches
 from trainer.gradsync import broadcast_buffers, unwrap
 from trainer.options import as_dict
 from trainer.position import TrainingPosition
 from trainer.preemption import PreemptionWatcher
 from trainer.report import MetricsWriter, ProgressDisplay
-from trainer.task import batch_size, to_device
+from trainer.task import batch_size, call_task, to_device
 
 Metrics = dict[str, float]
 
@@ -103,13 +103,12 @@ class Trainer:
         world_size = runtime.identity.world_size
         train_size = len(setup.train_sampler.dataset)
         result: Metrics | None = None
-        checked = False
+        checked = primed = False
         while self.position.epoch < config.train.epochs and not self._reached_max_steps():
             epoch = self.position.epoch
             setup.train_sampler.set_epoch(epoch, start_sample=self.position.samples_in_epoch)
             if not checked:
                 check_first_batches(setup, runtime)
-                prime_gradient_sync(setup, runtime)
                 checked = True
             batches = len(setup.train_loader)
             accum = config.optim.grad_accum_steps
@@ -125,6 +124,9 @@ class Trainer:
                 group_size = min(accum, batches - (index - micro))
                 final_micro = micro + 1 == group_size
                 inputs, targets = to_device(inputs, runtime.device), to_device(targets, runtime.device)
+                if not primed:
+                    self._prime_gradient_sync(inputs, targets)
+                    primed = True
                 context = setup.sync.no_sync(setup.model) if not final_micro else nullcontext()
                 with context:
                     with setup.autocast():
@@ -163,6 +165,19 @@ class Trainer:
             result = self._evaluate(self.position.epoch - 1)
         self.checkpoints.finish()
         return result
+
+    def _prime_gradient_sync(self, inputs: Any, targets: Any) -> None:
+        """Before this process's first step, on its batch: DDP fixes its buckets (GradSync.prime), so that a
+        resumed process adds up gradients in the order the uninterrupted one did."""
+        setup = self.setup
+
+        def first_loss() -> Tensor:
+            with setup.autocast():
+                loss: Tensor = setup.task.loss(setup.model(inputs), targets)
+            return loss
+
+        call_task(setup.spec, "the first training batch's forward and backward pass",
+                  lambda: setup.sync.prime(setup.model, first_loss))
 
     def _optimizer_step(self) -> float:
         setup = self.setup
