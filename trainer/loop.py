@@ -215,7 +215,7 @@ class Trainer:
         samples_per_s = values.pop("samples") / max(elapsed_s, 1e-9)  # every rank's, reduced
         epoch = self.position.epoch + 1
         self.metrics.write("train", self.position.step, {**values, "lr": lr, "samples_per_s": samples_per_s,
-                                                         "epoch": epoch})
+                                                         "epoch": epoch, "samples_seen": self.position.samples_seen})
         self.progress.line(f"epoch {epoch}/{self.config.train.epochs} step {self.position.step} {_values(values)} "
                            f"lr {lr:.2e} {samples_per_s:,.0f} samples/s")
 

@@ -3,6 +3,7 @@ across the two segments, every sample of the epoch is seen exactly once, in the 
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -34,3 +35,25 @@ def test_resume_after_a_change_of_world_size_sees_every_sample_once_in_order(tmp
     assert len(first) == STOP_AT * BATCH * before
     epoch_order = ResumableDistributedSampler(range(SIZE), 1, 0, seed=7).epoch_order()
     assert first + second == epoch_order
+
+
+def learning_rates(output: Path) -> dict[int, float]:
+    """The learning rate of each logged step, by the number of samples seen (metrics.jsonl)."""
+    records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    return {record["samples_seen"]: record["lr"] for record in records if record["kind"] == "train"}
+
+
+def test_after_a_resize_the_learning_rate_is_the_uninterrupted_runs_at_the_same_number_of_samples(tmp_path):
+    """The schedule is a function of samples seen: 2 ranks for 6 steps then 1 rank takes twice the steps of
+    the uninterrupted 2-rank run for the rest of the epoch, and passes through the same learning rates."""
+    # No warm-up: --warmup-steps becomes samples with the world size of the run that starts, so a resize moves it.
+    every_step = ["--log-every", "1"]
+    launch(2, tmp_path / "uninterrupted", *every_step)
+    launch(2, tmp_path / "resized", *every_step, "--max-steps", str(STOP_AT))
+    launch(1, tmp_path / "resized", *every_step)
+    reference, resized = learning_rates(tmp_path / "uninterrupted"), learning_rates(tmp_path / "resized")
+    after_the_resize = sorted(samples for samples in reference.keys() & resized.keys()
+                              if samples > STOP_AT * BATCH * 2)
+    assert len(after_the_resize) == (SIZE - STOP_AT * BATCH * 2) // (BATCH * 2)  # every step of the 2-rank run
+    assert len({reference[samples] for samples in after_the_resize}) > 1, "the rate changes along the way"
+    assert [resized[samples] for samples in after_the_resize] == [reference[samples] for samples in after_the_resize]

@@ -4,6 +4,7 @@ end with the very same parameters and optimizer state as one uninterrupted run, 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -81,8 +82,10 @@ def test_sigterm_writes_a_checkpoint_exits_retryable_and_resumes_exactly(referen
     process.send_signal(signal.SIGTERM)  # what torchrun receives from Kubernetes or docker stop
     _, stderr = process.communicate(timeout=120)
     assert f"exiting with {EXIT_PREEMPTED}" in stderr, stderr[-3000:]
+    stopped_at = {int(step) for step in re.findall(r"preempted at step (\d+); checkpoint written", stderr)}
     name, manifest, _ = newest_checkpoint(tmp_path / "checkpoints")
-    assert 0 < manifest["step"] < 20
+    # The checkpoint of the step the ranks stopped at, not the last periodic one (every 3 steps, before it).
+    assert stopped_at == {manifest["step"]} and 0 < manifest["step"] < 20, (stopped_at, name)
     resumed = torchrun(run_args(tmp_path), nproc=2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert summary(tmp_path)["resumed_from"].endswith(name)

@@ -13,7 +13,7 @@ import torch
 
 from tests.support.data_files import write_cifar_dataset, write_idx_dataset
 from trainer.data import load_datasets
-from trainer.data.cifar import read_batch
+from trainer.data.cifar import _reconstruct, read_batch
 from trainer.data.idx import read_idx, read_images_and_labels, write_idx
 from trainer.distributed import Runtime
 from trainer.env import identity_from_env
@@ -113,6 +113,22 @@ def test_cifar_reader_refuses_pickled_code(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=f"{path}: not a readable CIFAR-10 python batch .*refusing to load"):
         read_batch(path)
     assert not marker.exists()
+
+
+class _HugeEmptyArray:
+    """What numpy's own pickles never hold: _reconstruct asked for a shape that no bytes of the file back."""
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        return _reconstruct, (np.ndarray, (3_000_000_000,), b"b")
+
+
+def test_cifar_reader_refuses_an_array_larger_than_the_bytes_behind_it(tmp_path: Path) -> None:
+    path = tmp_path / "data_batch_1"
+    path.write_bytes(pickle.dumps({b"data": _HugeEmptyArray(), b"labels": []}, protocol=2))
+    assert path.stat().st_size < 200
+    with pytest.raises(DataError, match=rf"{path}: not a readable CIFAR-10 python batch \(UnpicklingError: an "
+                                        r"array of shape \[3000000000\] with no data behind it"):
+        read_batch(path)
 
 
 def test_cifar_batch_of_the_wrong_shape_is_refused(tmp_path: Path) -> None:

@@ -29,11 +29,22 @@ TRAIN_BATCHES = tuple(f"data_batch_{n}" for n in range(1, 6))
 TEST_BATCH = "test_batch"
 CHANNELS, SIZE, NUM_CLASSES = 3, 32, 10
 
+
+def _empty_array(subtype: Any, shape: Any, dtype: Any) -> np.ndarray:
+    """numpy pickles an array as ``_reconstruct(ndarray, (0,), b'b')``, an empty array, then its state, which
+    carries the bytes (and numpy checks that they fill the shape). Any other shape here would allocate
+    memory that no byte of the file backs: a file of 120 bytes could ask for 3 GB."""
+    if subtype is not np.ndarray or not isinstance(shape, tuple) or shape != (0,):
+        raise pickle.UnpicklingError(f"an array of shape {list(shape) if isinstance(shape, tuple) else shape!r} "
+                                     "with no data behind it (numpy writes empty arrays here)")
+    return _reconstruct(subtype, shape, dtype)
+
+
 # The files were written by Python 2 and numpy 1 ("numpy.core"); numpy 2 writes "numpy._core";
 # Python 3 pickles bytes at protocol 2 through _codecs.encode.
 _ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
-    ("numpy.core.multiarray", "_reconstruct"): _reconstruct,
-    ("numpy._core.multiarray", "_reconstruct"): _reconstruct,
+    ("numpy.core.multiarray", "_reconstruct"): _empty_array,
+    ("numpy._core.multiarray", "_reconstruct"): _empty_array,
     ("numpy", "ndarray"): np.ndarray,
     ("numpy", "dtype"): np.dtype,
     ("_codecs", "encode"): codecs.encode,
