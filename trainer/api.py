@@ -41,6 +41,7 @@ from trainer.errors import (
 )
 from trainer.loop import Trainer
 from trainer.preemption import PreemptionWatcher
+from trainer.redact import redact
 from trainer.report import final_line, setup_logging, write_summary
 from trainer.resume import check_resume
 from trainer.task import TaskSpec
@@ -72,13 +73,13 @@ def run(task: str | type | None = None, argv: Sequence[str] | None = None, **set
             train(config, spec, runtime)
         return EXIT_OK
     except UserError as error:
-        print(f"[rank {rank}] error: {user_message(error)}", file=sys.stderr, flush=True)
+        print(f"[rank {rank}] error: {redact(user_message(error))}", file=sys.stderr, flush=True)
         return error.exit_code
     except RuntimeError as error:
         first = first_line(error)
         if not (isinstance(error, torch.distributed.DistError) or PEER_LOST.search(first)):
             raise
-        print(f"[rank {rank}] error: lost contact with another rank ({first[:300]}); it probably crashed or "
+        print(f"[rank {rank}] error: lost contact with another rank ({redact(first[:300])}); it probably crashed or "
               f"was stopped, and its own log says why. Checkpoints are intact; exiting with {EXIT_PEER_LOST} so "
               f"the launcher can restart the job", file=sys.stderr, flush=True)
         return EXIT_PEER_LOST
@@ -94,7 +95,7 @@ def train(config: Config, spec: TaskSpec, runtime: Runtime) -> dict[str, object]
     started = time.perf_counter()
     output_dir = Path(config.output.output_dir)
     if runtime.is_main:
-        log.info("config:\n%s", dump_yaml(config).rstrip())
+        log.info("config:\n%s", redact(dump_yaml(config)).rstrip())
     log.info("%s; device %s, backend %s, %d threads; task %s", runtime.identity.describe(), runtime.device,
              runtime.backend, torch.get_num_threads(), spec.describe())
 
@@ -114,7 +115,7 @@ def train(config: Config, spec: TaskSpec, runtime: Runtime) -> dict[str, object]
             trainer.restore(loaded)
         if runtime.is_main:  # once the run is known to go ahead: a refused resume leaves the last one's
             output_dir.mkdir(parents=True, exist_ok=True)
-            (output_dir / "config.yaml").write_text(dump_yaml(config))
+            (output_dir / "config.yaml").write_text(redact(dump_yaml(config)))
         samples_before = trainer.position.samples_seen
         result = trainer.fit()
     finally:

@@ -249,7 +249,8 @@ def _fail_everywhere(runtime: Runtime, error: Exception | None, error_type: type
 def _report(error: Exception, runtime: Runtime) -> str:
     where = f"rank {runtime.identity.rank} on {runtime.identity.hostname}"
     if isinstance(error, UserError):
-        return f"{error} (seen by {where})"
+        # An agreement inside another (data loading inside a task's datasets()) names the rank once.
+        return str(error) if "(seen by rank " in str(error) else f"{error} (seen by {where})"
     return f"{where} failed: {type(error).__name__}: {error}"
 
 

@@ -25,6 +25,7 @@ from trainer.gradsync import broadcast_buffers, unwrap
 from trainer.options import as_dict
 from trainer.position import TrainingPosition
 from trainer.preemption import PreemptionWatcher
+from trainer.redact import redacted
 from trainer.report import MetricsWriter, ProgressDisplay
 from trainer.task import batch_size, call_task, to_device
 
@@ -43,7 +44,8 @@ class Trainer:
         self.position = TrainingPosition()
         self.parts = Trainable(unwrap(setup.model), setup.optimizer, setup.scaler, self.position)
         options = as_dict(config.task_options)
-        self.task_record = TaskRecord(setup.spec.name, setup.spec.source, options)
+        # Stored redacted, as every saved config (trainer.redact); trainer.resume compares it so.
+        self.task_record = TaskRecord(setup.spec.name, setup.spec.source, redacted(options))
         self.resumed_from: str | None = None
         self.output_dir = Path(config.output.output_dir)
         self.metrics = MetricsWriter(self.output_dir, runtime.is_main, config.output.tensorboard)
@@ -92,7 +94,7 @@ class Trainer:
         if self.position.step == self._last_saved_step and metrics is None:
             return
         broadcast_buffers(self.setup.model, self.runtime)
-        config = {name: value for name, value in self.config.to_dict().items() if name != "task"}
+        config = redacted({name: value for name, value in self.config.to_dict().items() if name != "task"})
         self.checkpoints.save(capture(self.parts, self.task_record, config, self.runtime.identity.world_size),
                               metrics)
         self._last_saved_step = self.position.step

@@ -13,6 +13,7 @@ from typing import Any, TextIO
 import torch
 
 from trainer.env import DistIdentity
+from trainer.redact import redact
 
 
 def setup_logging(identity: DistIdentity, stream: TextIO | None = None) -> logging.Logger:
@@ -22,10 +23,17 @@ def setup_logging(identity: DistIdentity, stream: TextIO | None = None) -> loggi
     handler = logging.StreamHandler(stream or sys.stderr)  # the stream of now, not of import time
     handler.setFormatter(logging.Formatter(
         f"%(asctime)s [rank {identity.rank}/{identity.world_size}] %(levelname)s %(message)s", "%H:%M:%S"))
+    handler.addFilter(_redact_record)
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False
     return log
+
+
+def _redact_record(record: logging.LogRecord) -> bool:
+    """No URL's password or token reaches a log line, whichever message carries it."""
+    record.msg, record.args = redact(record.getMessage()), None
+    return True
 
 
 class MetricsWriter:

@@ -20,6 +20,7 @@ from trainer.checkpoint import LoadedCheckpoint
 from trainer.config import SECTIONS, Config
 from trainer.errors import CheckpointError
 from trainer.options import ResumeRule, fields_of, flag_of, resume_rule
+from trainer.redact import redacted
 from trainer.task import TaskSpec
 
 FIX = "use another --checkpoint-dir, or --resume none to start afresh (the checkpoints are kept)"
@@ -60,6 +61,8 @@ def _differences(saved: Mapping[str, Any], current: Any, kind: type) -> list[tup
     for field in fields_of(kind):
         if resume_rule(field) is ResumeRule.IGNORE:
             continue
-        if field.name in saved and saved[field.name] != getattr(current, field.name):
-            changed.append((field.name, saved[field.name], getattr(current, field.name), resume_rule(field)))
+        # Checkpoints hold configs redacted (no URL's password or token): compare with this run's, redacted.
+        now = redacted(getattr(current, field.name))
+        if field.name in saved and saved[field.name] != now:
+            changed.append((field.name, saved[field.name], now, resume_rule(field)))
     return changed

@@ -18,25 +18,40 @@ import fsspec
 
 from trainer.data.catalog import DatasetSpec
 from trainer.data.locate import FoundFile, find_files
-from trainer.errors import DataError
+from trainer.errors import DataError, described
 
 log = logging.getLogger(__name__)
 COPY_CHUNK = 8 << 20  # large reads: object stores answer each read with a request
 
 
-def fetch(url: str, spec: DatasetSpec, folder: Path) -> None:
-    """Make folder hold the dataset's files from url; files already there with the same size are kept."""
+def open_url(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem and path of a --data-dir URL. Some filesystems connect and log in here (ftp, sftp):
+    a refused connection or a wrong password is a data error, as missing data is."""
     try:
-        fs, root = fsspec.core.url_to_fs(url)
+        return fsspec.core.url_to_fs(url)  # type: ignore[no-any-return]
     except (ImportError, ValueError) as error:
         raise DataError(
             f"--data-dir {url}: no filesystem for this URL ({error}); install its fsspec package "
             f"(s3fs for s3://, gcsfs for gs://, adlfs for az://) or use a local folder"
         ) from None
+    except Exception as error:  # noqa: BLE001 - each filesystem has its own errors (ftplib.error_perm, ...)
+        raise unreachable(url, error) from None
+
+
+def unreachable(url: str, error: BaseException) -> DataError:
+    return DataError(f"--data-dir {url}: cannot reach it ({described(error)}); check the URL, credentials and "
+                     f"network")
+
+
+def fetch(url: str, spec: DatasetSpec, folder: Path) -> None:
+    """Make folder hold the dataset's files from url; files already there with the same size are kept."""
+    fs, root = open_url(url)
     try:
         files = find_files(fs, root, spec, shown_as=url, hint="upload the dataset there or fix the URL")
-    except OSError as error:
-        raise DataError(f"--data-dir {url}: cannot list it ({error}); check the URL, credentials and network") from None
+    except DataError:
+        raise
+    except Exception as error:  # noqa: BLE001 - an HTTP 401 is no OSError
+        raise unreachable(url, error) from None
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as error:

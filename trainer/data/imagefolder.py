@@ -159,18 +159,13 @@ def _interleaved(files: list[Path], labels: list[int], seed: int) -> tuple[list[
 
 def fetch_tree(url: str, folder: Path) -> None:
     """Copy every image under url into folder, keeping the relative paths; files of the same size are kept."""
-    import fsspec
+    from trainer.data.fetch import open_url, unreachable
 
-    try:
-        fs, root = fsspec.core.url_to_fs(url)
-    except (ImportError, ValueError) as error:
-        raise DataError(f"--data-dir {url}: no filesystem for this URL ({error}); install its fsspec package "
-                        f"(s3fs for s3://, gcsfs for gs://) or use a local folder") from None
+    fs, root = open_url(url)
     try:
         found = fs.find(root, detail=True)
-    except OSError as error:
-        raise DataError(f"--data-dir {url}: cannot list it ({error}); check the URL, credentials and network"
-                        ) from None
+    except Exception as error:  # noqa: BLE001 - an HTTP 401 is no OSError
+        raise unreachable(url, error) from None
     images = {path: entry for path, entry in found.items()
               if entry.get("type") == "file" and posixpath.splitext(path)[1].lower() in IMAGE_SUFFIXES}
     if not images:

@@ -13,6 +13,7 @@ from fsspec import AbstractFileSystem
 
 from trainer.data.catalog import SPECS, DatasetSpec
 from trainer.errors import DataError
+from trainer.redact import redact
 
 # Installed by the Debian package dataset-fashion-mnist: the full dataset, gzipped IDX.
 SYSTEM_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
@@ -71,9 +72,11 @@ def find_files(fs: AbstractFileSystem, root: str, spec: DatasetSpec, shown_as: s
 
 
 def cache_folder(url: str, cache_dir: str) -> Path:
-    """A folder per URL: readable name for people, hash so that different URLs never share one."""
-    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", url).strip("_")[:80]
-    digest = hashlib.sha256(url.encode()).hexdigest()[:16]
+    """A folder per URL: readable name for people, hash so that different URLs never share one. Both from
+    the URL without its password and query values, so that no credential (nor its hash) is in a name."""
+    shown = redact(url)
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", shown).strip("_")[:80]
+    digest = hashlib.sha256(shown.encode()).hexdigest()[:16]
     return Path(cache_dir or DEFAULT_CACHE).expanduser() / f"{readable}-{digest}"
 
 
