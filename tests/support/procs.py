@@ -7,7 +7,9 @@ repository on PYTHONPATH and this venv's tools (torchrun, torchx, ddp-train, kub
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -40,9 +42,28 @@ def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 
 def run(cmd: Sequence[str], env: Mapping[str, str] | None = None, timeout_s: float = 300,
         cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """Run a command to completion, output captured; a hang raises TimeoutExpired instead of blocking."""
-    return subprocess.run(list(cmd), env=clean_env(env), cwd=cwd or REPO_ROOT, capture_output=True, text=True,
-                          timeout=timeout_s, check=False)
+    """Run a command to completion, output captured; a hang raises TimeoutExpired instead of blocking.
+
+    The command gets a session of its own, and whatever is left of it when it ends or times out is killed:
+    a launcher killed on a timeout would otherwise leave its ranks (and their DataLoader workers) running.
+    """
+    process = subprocess.Popen(list(cmd), env=clean_env(env), cwd=cwd or REPO_ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired as timeout:
+        kill_session(process)
+        out, err = process.communicate()
+        raise subprocess.TimeoutExpired(process.args, timeout_s, out, err) from timeout
+    finally:
+        kill_session(process)
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+def kill_session(process: subprocess.Popen[str]) -> None:
+    """SIGKILL to every process left in the session that ``process`` leads (it may be gone already)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 def torchrun_command(nproc: int, module: str, args: Sequence[str], extra_torchrun: Sequence[str] = ()
