@@ -4,6 +4,7 @@ fingerprinting a checkpoint folder to prove that nothing in it changed."""
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,16 @@ def break_checkpoint(folder: Path, defect: str, marker: Path | None = None, vers
         (folder / "manifest.json").write_text('{"format": 2, "files": ')
     elif defect == "manifest-without-checksum":
         _edit_manifest(folder, lambda m: m["files"]["state.pt"].pop("crc32"))
+    elif defect == "linked-state":  # the same bytes, but through a link to a file elsewhere
+        elsewhere = folder.parent / f"elsewhere-{folder.name}.pt"
+        state.rename(elsewhere)
+        state.symlink_to(elsewhere)
+    elif defect == "fifo-state":  # reading it would wait for a writer forever
+        state.unlink()
+        os.mkfifo(state)
+    elif defect == "huge-manifest":  # still valid JSON, padded past any manifest the trainer writes
+        manifest = folder / "manifest.json"
+        manifest.write_text(manifest.read_text() + " " * (2 << 20))
     elif defect == "format":
         _edit_manifest(folder, lambda m: m.update(format=version))
     elif defect == "pickled-object":

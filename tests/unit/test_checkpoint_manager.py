@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -15,6 +16,8 @@ import torch
 from tests.support.checkpoint_files import break_checkpoint, checkpoint_bytes
 from tests.support.checkpoints import state_at
 from trainer.checkpoint import CheckpointManager, Monitor, open_storage, verify
+from trainer.checkpoint.manager import InvalidCheckpoint
+from trainer.checkpoint.storage import LocalStorage
 from trainer.config import CheckpointConfig, DistConfig
 from trainer.distributed import Runtime, destroy_process_group, init_process_group
 from trainer.env import identity_from_env
@@ -69,7 +72,14 @@ DEFECTS = {
     "unparseable-manifest": "manifest.json is not valid JSON",
     "manifest-without-checksum": "manifest.json has no 'crc32' entry",
     "pickled-object": "does not load with weights_only=True (Unsupported global",
+    "linked-state": "state.pt is a symbolic link; a checkpoint folder holds only the files the trainer wrote",
+    "fifo-state": "state.pt is not a regular file; a checkpoint folder holds only the files the trainer wrote",
+    "huge-manifest": "manifest.json is larger than any manifest this trainer writes (1048576 bytes at most)",
 }
+
+
+def _blocked(signum: int, frame: object) -> None:
+    raise AssertionError("loading the checkpoint blocked for 30 s")
 
 
 @pytest.mark.parametrize("defect", DEFECTS)
@@ -78,7 +88,13 @@ def test_a_broken_newest_checkpoint_is_skipped_with_its_reason_for_the_previous_
     manager = manager_for(str(tmp_path))
     save_steps(manager, [1, 2])
     break_checkpoint(tmp_path / "step-00000002", defect, marker=tmp_path / "executed")
-    loaded = manager_for(str(tmp_path)).load("latest")
+    previous = signal.signal(signal.SIGALRM, _blocked)  # a FIFO read would block: fail, do not hang the suite
+    signal.alarm(30)
+    try:
+        loaded = manager_for(str(tmp_path)).load("latest")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
     assert loaded is not None and loaded.location.endswith("step-00000001")
     skipped = [record.getMessage() for record in caplog.records if record.getMessage().startswith("skipping")]
     assert len(skipped) == 1 and "step-00000002: " in skipped[0] and DEFECTS[defect] in skipped[0], skipped
@@ -99,6 +115,18 @@ def test_a_checkpoint_in_an_unknown_format_is_refused_not_skipped(version, messa
             manager_for(str(tmp_path)).load(resume)
         assert message in str(raised.value) and "--resume none" in str(raised.value)
     assert names(str(tmp_path)) == ["step-00000002", "step-00000001"]
+
+
+def test_a_state_file_of_the_wrong_size_is_not_read(manager_for, tmp_path, monkeypatch):
+    save_steps(manager_for(str(tmp_path)), [1])
+    break_checkpoint(tmp_path / "step-00000001", "size-mismatch")
+    reads = []
+    original = LocalStorage.read
+    monkeypatch.setattr(LocalStorage, "read", lambda self, name, filename: reads.append(filename) or
+                        original(self, name, filename))
+    with pytest.raises(InvalidCheckpoint, match="state.pt has .* bytes, the manifest says"):
+        verify(open_storage(str(tmp_path)), "step-00000001")
+    assert reads == ["manifest.json"]
 
 
 def test_resume_path_to_a_broken_checkpoint_is_one_line_naming_the_reason_and_the_way_out(manager_for, tmp_path):

@@ -20,6 +20,7 @@ from trainer.checkpoint.schema import FORMAT, READABLE, SchemaError, TrainingSta
 from trainer.checkpoint.storage import (
     MANIFEST,
     CheckpointStorage,
+    NotAFile,
     checkpoint_name,
     crc32_hex,
     open_storage,
@@ -31,6 +32,8 @@ from trainer.errors import CheckpointError
 from trainer.rng import capture_rng
 
 STATE_FILE = "state.pt"
+# Ours are well under 4 KB; a larger one is not read (it could be anything, of any size).
+MAX_MANIFEST_BYTES = 1 << 20
 
 
 class InvalidCheckpoint(Exception):
@@ -70,7 +73,13 @@ def verify(storage: CheckpointStorage, name: str) -> LoadedCheckpoint:
                                 else "no such checkpoint folder")
     manifest, size, checksum, version = _read_manifest(storage, name)
     try:
+        # The size first: a file that is not what the manifest promises is not read at all.
+        found = storage.size(name, STATE_FILE)
+        if found != size:
+            raise InvalidCheckpoint(f"{STATE_FILE} has {found} bytes, the manifest says {size}")
         data = storage.read(name, STATE_FILE)
+    except NotAFile as problem:
+        raise InvalidCheckpoint(str(problem)) from None
     except OSError as error:
         raise InvalidCheckpoint(f"{STATE_FILE} unreadable ({error.strerror or error})") from None
     if len(data) != size:
@@ -94,10 +103,15 @@ def verify(storage: CheckpointStorage, name: str) -> LoadedCheckpoint:
 def _read_manifest(storage: CheckpointStorage, name: str) -> tuple[dict[str, Any], int, str, int]:
     """The manifest, and the size and checksum it promises for the state file."""
     try:
+        if storage.size(name, MANIFEST) > MAX_MANIFEST_BYTES:
+            raise InvalidCheckpoint(f"{MANIFEST} is larger than any manifest this trainer writes "
+                                    f"({MAX_MANIFEST_BYTES} bytes at most)")
         manifest = json.loads(storage.read(name, MANIFEST))
         expected = manifest["files"][STATE_FILE]
         size, checksum = int(expected["bytes"]), str(expected["crc32"])
         version = manifest.get("format")
+    except NotAFile as problem:
+        raise InvalidCheckpoint(str(problem)) from None
     except OSError as error:
         raise InvalidCheckpoint(f"{MANIFEST} unreadable ({error.strerror or error})") from None
     except ValueError as error:  # JSONDecodeError and UnicodeDecodeError included

@@ -14,6 +14,7 @@ import errno
 import os
 import re
 import shutil
+import stat
 import uuid
 import zlib
 from abc import ABC, abstractmethod
@@ -73,6 +74,14 @@ class ChecksumWriter:
 
 def crc32_hex(data: bytes) -> str:
     return f"{zlib.crc32(data):08x}"
+
+
+class NotAFile(ValueError):
+    """A checkpoint's file that is a link, a FIFO or a device: never read (it could block, or lead elsewhere)."""
+
+
+def _no_follow(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
 
 
 class CheckpointStorage(ABC):
@@ -153,6 +162,10 @@ class CheckpointStorage(ABC):
     def read(self, name: str, filename: str) -> bytes: ...
 
     @abstractmethod
+    def size(self, name: str, filename: str) -> int:
+        """The file's size in bytes, known before reading it; NotAFile if it is no plain file."""
+
+    @abstractmethod
     def exists(self, name: str, filename: str) -> bool: ...
 
     @abstractmethod
@@ -207,7 +220,16 @@ class LocalStorage(CheckpointStorage):
         fsync_dir(self.root)
 
     def read(self, name: str, filename: str) -> bytes:
-        return (self.root / name / filename).read_bytes()
+        self.size(name, filename)  # a link or a FIFO is refused, not followed or waited on
+        with open(self.root / name / filename, "rb", opener=_no_follow) as handle:
+            return handle.read()
+
+    def size(self, name: str, filename: str) -> int:
+        info = os.lstat(self.root / name / filename)
+        if not stat.S_ISREG(info.st_mode):
+            kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a regular file"
+            raise NotAFile(f"{filename} is {kind}; a checkpoint folder holds only the files the trainer wrote")
+        return info.st_size
 
     def exists(self, name: str, filename: str) -> bool:
         return (self.root / name / filename).is_file()
@@ -284,7 +306,14 @@ class FsspecStorage(CheckpointStorage):
         self.fs.rm(self._path(name), recursive=True)
 
     def read(self, name: str, filename: str) -> bytes:
-        return self.fs.cat_file(self._path(name, filename))
+        return self.fs.cat_file(self._path(name, filename))  # type: ignore[no-any-return]
+
+    def size(self, name: str, filename: str) -> int:
+        info = self.fs.info(self._path(name, filename))
+        if info.get("type") != "file" or info.get("islink"):
+            raise NotAFile(f"{filename} is not a plain file; a checkpoint folder holds only the files the "
+                           f"trainer wrote")
+        return int(info["size"])
 
     def exists(self, name: str, filename: str) -> bool:
         return self.fs.isfile(self._path(name, filename))
