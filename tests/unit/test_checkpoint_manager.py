@@ -179,6 +179,32 @@ def test_saving_a_step_that_exists_replaces_it(manager_for, tmp_path):
     assert torch.equal(verify(open_storage(str(tmp_path)), "step-00000004").state.model["weight"], torch.ones(2))
 
 
+@pytest.mark.parametrize("crash_at_move", [0, 1, 2, 3])
+def test_on_an_object_store_a_checkpoint_being_replaced_survives_a_crash_at_any_move(crash_at_move, manager_for,
+                                                                                      monkeypatch):
+    """Object stores move a folder one object at a time (two moves aside, two in for this checkpoint): a
+    crash at any of them leaves the old checkpoint of that step, whole, once the next run has started."""
+    location = f"memory://ckpt-{uuid.uuid4().hex}"
+    save_steps(manager_for(location), [4])
+    fs, root = fsspec.core.url_to_fs(location)
+    moves, move = [], type(fs).mv
+
+    def crashing_move(self: object, *args: object, **kwargs: object) -> None:
+        moves.append(args)
+        if len(moves) > crash_at_move:
+            raise OSError(5, "Input/output error")
+        move(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(fs), "mv", crashing_move)
+    with pytest.raises(CheckpointError, match="could not write checkpoint"):
+        manager_for(location).save(state_at(4, torch.ones(2)))
+    monkeypatch.setattr(type(fs), "mv", move)
+    manager_for(location)  # the next run's start cleans up, putting the old checkpoint back
+    assert torch.equal(verify(open_storage(location), "step-00000004").state.model["weight"],
+                       state_at(4).model["weight"])
+    assert not [path for path in fs.ls(root, detail=False) if "/.tmp-" in path]
+
+
 # -- retention -----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("keep_last", [2, 3])

@@ -131,12 +131,18 @@ class CheckpointStorage(ABC):
         present = set(self._list())
         for name in stale:
             original = _replaced_name(name)
-            if original is not None and original not in present:
-                self._rename(name, original)
+            if original is not None and (original not in present or not self.exists(original, MANIFEST)):
+                self._put_back(name, original)
                 present.add(original)
             else:
                 self._remove_quietly(name)
         return stale
+
+    def _put_back(self, aside: str, original: str) -> None:
+        """Return a checkpoint moved aside for a replacement that did not complete."""
+        if self.has_folder(original):  # never a checkpoint (no manifest): a rename cannot replace a folder
+            self._remove_quietly(original)
+        self._rename(aside, original)
 
     def _remove_quietly(self, name: str) -> None:
         with contextlib.suppress(OSError):
@@ -294,16 +300,33 @@ class FsspecStorage(CheckpointStorage):
         return self.fs.open(self._path(name, filename), "wb")  # an upload is complete once closed
 
     def _commit(self, temporary: str, name: str) -> None:
-        if self.fs.exists(self._path(name)):
-            self.fs.rm(self._path(name), recursive=True)
+        if not self.fs.exists(self._path(name)):
+            self._rename(temporary, name)
+            return
+        # A checkpoint of this step is there. It stays whole somewhere until the new one is in place: moved
+        # aside with its manifest first (the folder under its name is at once no checkpoint), then the new
+        # one moved in with its manifest last. A crash in between leaves remove_temporaries() what it needs
+        # to put the old one back (_put_back).
+        aside = f"{REPLACED_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
+        self._rename(name, aside, manifest_last=False)
         self._rename(temporary, name)
+        self._remove_quietly(aside)
 
-    def _rename(self, name: str, new_name: str) -> None:
-        # A move is a copy per object: the manifest goes last, so a half-moved folder has none.
-        paths = sorted(self.fs.ls(self._path(name), detail=False), key=lambda path: path.endswith(f"/{MANIFEST}"))
+    def _rename(self, name: str, new_name: str, manifest_last: bool = True) -> None:
+        # A move is a copy per object. Manifest last: a half-moved folder is no checkpoint at its new name.
+        # Manifest first: none at its old name either.
+        paths = sorted(self.fs.ls(self._path(name), detail=False),
+                       key=lambda path: path.endswith(f"/{MANIFEST}") == manifest_last)
         for path in paths:
             self.fs.mv(path, self._path(new_name, path.rsplit("/", 1)[-1]))
-        self.fs.rm(self._path(name), recursive=True)
+        if self.fs.exists(self._path(name)):  # stores without folders forget one with its last object
+            self.fs.rm(self._path(name), recursive=True)
+
+    def _put_back(self, aside: str, original: str) -> None:
+        # What is left under the original name is the rest of the old checkpoint (the crash came while it
+        # was moved aside) or part of the new one (while that was moved in, the old one whole aside): the
+        # old files moved back over it, the manifest last, make the old checkpoint whole either way.
+        self._rename(aside, original)
 
     def read(self, name: str, filename: str) -> bytes:
         return self.fs.cat_file(self._path(name, filename))  # type: ignore[no-any-return]
