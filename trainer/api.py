@@ -28,12 +28,13 @@ from trainer.build import build_training
 from trainer.checkpoint import CheckpointManager, Monitor
 from trainer.cli import dump_yaml, parse_config
 from trainer.config import Config
-from trainer.distributed import Runtime, choose_device, gather_to_main, process_group, threads_per_rank
+from trainer.distributed import Runtime, agreed, choose_device, gather_to_main, process_group, threads_per_rank
 from trainer.env import identity_from_env
 from trainer.errors import (
     EXIT_OK,
     EXIT_PEER_LOST,
     EXIT_PREEMPTED,
+    OutputError,
     Preempted,
     UserError,
     first_line,
@@ -42,7 +43,7 @@ from trainer.errors import (
 from trainer.loop import Trainer
 from trainer.preemption import PreemptionWatcher
 from trainer.redact import redact
-from trainer.report import final_line, setup_logging, write_summary
+from trainer.report import final_line, setup_logging, write_summary, writing
 from trainer.resume import check_resume
 from trainer.task import TaskSpec
 
@@ -89,6 +90,13 @@ def run(task: str | type | None = None, argv: Sequence[str] | None = None, **set
         return EXIT_PREEMPTED
 
 
+def write_config(output_dir: Path, config: Config) -> None:
+    path = output_dir / "config.yaml"
+    with writing(path):
+        output_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(redact(dump_yaml(config)))
+
+
 def train(config: Config, spec: TaskSpec, runtime: Runtime) -> dict[str, object]:
     """One training run in a joined group: returns (and rank 0 writes) the summary."""
     log = setup_logging(runtime.identity)
@@ -113,9 +121,8 @@ def train(config: Config, spec: TaskSpec, runtime: Runtime) -> dict[str, object]
     try:
         if loaded is not None:
             trainer.restore(loaded)
-        if runtime.is_main:  # once the run is known to go ahead: a refused resume leaves the last one's
-            output_dir.mkdir(parents=True, exist_ok=True)
-            (output_dir / "config.yaml").write_text(redact(dump_yaml(config)))
+        # Once the run is known to go ahead: a refused resume leaves the last one's.
+        agreed(runtime, lambda: write_config(output_dir, config) if runtime.is_main else None, OutputError)
         samples_before = trainer.position.samples_seen
         result = trainer.fit()
     finally:
@@ -134,7 +141,7 @@ def train(config: Config, spec: TaskSpec, runtime: Runtime) -> dict[str, object]
         "wall_time_s": round(wall_time_s, 3),
         "train_samples_per_s": round((trainer.position.samples_seen - samples_before) / wall_time_s, 1),
     }
+    agreed(runtime, lambda: write_summary(output_dir, summary) if runtime.is_main else None, OutputError)
     if runtime.is_main:
-        write_summary(output_dir, summary)
         print(final_line(summary), flush=True)
     return summary

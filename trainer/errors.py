@@ -69,6 +69,10 @@ class CheckpointError(UserError):
     """A checkpoint cannot be written or the requested one cannot be loaded."""
 
 
+class OutputError(UserError):
+    """A run's own output (metrics, TensorBoard, config.yaml, summary.json) cannot be written."""
+
+
 class DeviceError(UserError):
     """The requested device or backend does not exist on this machine."""
 

@@ -17,8 +17,8 @@ from trainer.build import TrainingSetup
 from trainer.checkpoint import CheckpointManager, LoadedCheckpoint
 from trainer.checkpoint.schema import TaskRecord, Trainable, capture, restore
 from trainer.config import Config
-from trainer.distributed import Runtime
-from trainer.errors import CheckpointError, Preempted, first_line
+from trainer.distributed import Runtime, agreed
+from trainer.errors import CheckpointError, OutputError, Preempted, first_line
 from trainer.evaluation import detached, evaluate
 from trainer.first_batch import check_first_batches
 from trainer.gradsync import broadcast_buffers, unwrap
@@ -48,7 +48,9 @@ class Trainer:
         self.task_record = TaskRecord(setup.spec.name, setup.spec.source, redacted(options))
         self.resumed_from: str | None = None
         self.output_dir = Path(config.output.output_dir)
-        self.metrics = MetricsWriter(self.output_dir, runtime.is_main, config.output.tensorboard)
+        # Rank 0 writes the run's outputs; every rank learns whether it could (exit 2 everywhere if not).
+        self.metrics = agreed(runtime, lambda: MetricsWriter(self.output_dir, runtime.is_main,
+                                                             config.output.tensorboard), OutputError)
         self.progress = ProgressDisplay(config.output.progress, runtime.is_main, log)
         self.train_metrics = setup.metric_set()
         self.eval_metrics = setup.metric_set()
@@ -206,7 +208,8 @@ class Trainer:
     def _evaluate(self, epoch: int) -> Metrics:
         setup = self.setup
         result = evaluate(setup.model, setup.eval_loader, setup.task, self.eval_metrics, self.runtime, setup.autocast)
-        self.metrics.write("test", self.position.step, {**result, "epoch": epoch + 1})
+        agreed(self.runtime, lambda: self.metrics.write("test", self.position.step, {**result, "epoch": epoch + 1}),
+               OutputError)
         if self.runtime.is_main:
             self.log.info("epoch %d: test %s on %d samples", epoch + 1, _values(result), result["samples"])
         return result
@@ -216,8 +219,9 @@ class Trainer:
         values = self.train_metrics.compute(self.runtime)
         samples_per_s = values.pop("samples") / max(elapsed_s, 1e-9)  # every rank's, reduced
         epoch = self.position.epoch + 1
-        self.metrics.write("train", self.position.step, {**values, "lr": lr, "samples_per_s": samples_per_s,
-                                                         "epoch": epoch, "samples_seen": self.position.samples_seen})
+        record = {**values, "lr": lr, "samples_per_s": samples_per_s, "epoch": epoch,
+                  "samples_seen": self.position.samples_seen}
+        agreed(self.runtime, lambda: self.metrics.write("train", self.position.step, record), OutputError)
         self.progress.line(f"epoch {epoch}/{self.config.train.epochs} step {self.position.step} {_values(values)} "
                            f"lr {lr:.2e} {samples_per_s:,.0f} samples/s")
 

@@ -3,16 +3,20 @@ metrics as JSON lines and TensorBoard events, and the final summary."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 
 from trainer.env import DistIdentity
+from trainer.errors import OutputError
 from trainer.redact import redact
 
 
@@ -36,38 +40,62 @@ def _redact_record(record: logging.LogRecord) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """A failed write of the run's own output (a full disk, a read-only folder) as one line that says what to
+    do; callers agree on it across ranks (trainer.distributed.agreed), so that every rank exits alike."""
+    try:
+        yield
+    except OSError as error:
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            fix = f"free space on {path.parent} or choose another --output-dir"
+        else:
+            fix = f"fix the permissions of {path.parent} or choose another --output-dir"
+        raise OutputError(f"cannot write {path} ({error.strerror or error}); {fix}") from None
+
+
 class MetricsWriter:
     """Rank 0's metrics sink: appends to metrics.jsonl (a resumed run continues the same file) and writes
-    TensorBoard scalars. Other ranks get ``enabled=False`` and write nothing."""
+    TensorBoard scalars. Other ranks get ``enabled=False`` and write nothing. A failed write raises
+    OutputError."""
 
     def __init__(self, output_dir: Path, enabled: bool, tensorboard: bool) -> None:
         self.enabled = enabled
+        self.jsonl_path, self.tensorboard_path = output_dir / "metrics.jsonl", output_dir / "tensorboard"
         self._jsonl: TextIO | None = None
         self._tensorboard: Any = None
         if not enabled:
             return
-        output_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(output_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        with writing(self.jsonl_path):
+            output_dir.mkdir(parents=True, exist_ok=True)
+            self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # imported late: it pulls in TensorBoard
 
-            self._tensorboard = SummaryWriter(log_dir=str(output_dir / "tensorboard"))
+            with writing(self.tensorboard_path):
+                self._tensorboard = SummaryWriter(log_dir=str(self.tensorboard_path))
 
     def write(self, kind: str, step: int, values: dict[str, float | int]) -> None:
         if not self.enabled:
             return
         assert self._jsonl is not None
-        self._jsonl.write(json.dumps({"kind": kind, "step": step, "time": round(time.time(), 3), **values}) + "\n")
-        self._jsonl.flush()
+        with writing(self.jsonl_path):
+            self._jsonl.write(json.dumps({"kind": kind, "step": step, "time": round(time.time(), 3), **values})
+                              + "\n")
+            self._jsonl.flush()
         if self._tensorboard is not None:
-            for key, value in values.items():
-                self._tensorboard.add_scalar(f"{kind}/{key}", value, step)
+            # TensorBoard writes in a thread of its own; its failure comes back at the next call.
+            with writing(self.tensorboard_path):
+                for key, value in values.items():
+                    self._tensorboard.add_scalar(f"{kind}/{key}", value, step)
 
     def close(self) -> None:
-        if self._jsonl is not None:
-            self._jsonl.close()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+        """Best effort: every record was flushed when written; an error here would reach one rank only."""
+        with contextlib.suppress(OSError):
+            if self._jsonl is not None:
+                self._jsonl.close()
+            if self._tensorboard is not None:
+                self._tensorboard.close()
 
 
 class ProgressDisplay:
@@ -108,11 +136,12 @@ class ProgressDisplay:
 
 
 def write_summary(output_dir: Path, summary: dict[str, Any]) -> Path:
-    output_dir.mkdir(parents=True, exist_ok=True)
     path = output_dir / "summary.json"
-    temporary = path.with_suffix(".json.tmp")
-    temporary.write_text(json.dumps(summary, indent=2) + "\n")
-    temporary.replace(path)
+    with writing(path):
+        output_dir.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(".json.tmp")
+        temporary.write_text(json.dumps(summary, indent=2) + "\n")
+        temporary.replace(path)
     return path
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from tests.support.checkpoint_files import break_checkpoint, checkpoint_bytes
 from tests.support.checkpoints import assert_same_tensors, newest_checkpoint, summary
-from tests.support.preconditions import unavailable
+from tests.support.mounts import mount_tmpfs, unmount
 from tests.support.procs import run
 from trainer.checkpoint import open_storage, verify
 from trainer.errors import EXIT_USAGE
@@ -129,18 +129,11 @@ def mount_point(tmp_path: Path) -> Iterator[Path]:
     point = tmp_path / "mnt"
     point.mkdir()
     yield point
-    subprocess.run(["umount", str(point)], capture_output=True, check=False)
-
-
-def _mount(options: str, point: Path) -> None:
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)], capture_output=True,
-                          text=True, check=False)
-    if done.returncode != 0:
-        unavailable(f"cannot mount a tmpfs here (needs root and mount permission): {done.stderr.strip()}")
+    unmount(point)
 
 
 def test_a_read_only_checkpoint_folder_exits_2_at_start(mount_point, tmp_path):
-    _mount("ro,size=1m", mount_point)
+    mount_tmpfs("ro,size=1m", mount_point)
     result = trainer(tmp_path, "--checkpoint-dir", str(mount_point / "checkpoints"))
     assert result.returncode == EXIT_USAGE
     [line] = error_lines(result)
@@ -148,7 +141,7 @@ def test_a_read_only_checkpoint_folder_exits_2_at_start(mount_point, tmp_path):
 
 
 def test_a_full_disk_exits_2_with_one_line_keeping_the_previous_checkpoints(mount_point, tmp_path):
-    _mount("size=1m", mount_point)  # room for two 0.4 MB checkpoints, not three
+    mount_tmpfs("size=1m", mount_point)  # room for two 0.4 MB checkpoints, not three
     result = trainer(tmp_path, "--checkpoint-dir", str(mount_point), "--keep-last", "3")
     assert result.returncode == EXIT_USAGE
     [line] = error_lines(result)
