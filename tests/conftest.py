@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 INTEGRATION = Path(__file__).resolve().parent / "integration"
+# Fixtures shared by several folders: mount_point (tmpfs mounts for full and read-only disks).
+pytest_plugins = ["tests.support.mounts"]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

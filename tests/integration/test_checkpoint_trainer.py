@@ -8,14 +8,13 @@ import shutil
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.support.checkpoint_files import break_checkpoint, checkpoint_bytes
 from tests.support.checkpoints import assert_same_tensors, newest_checkpoint, summary
-from tests.support.mounts import mount_tmpfs, unmount
+from tests.support.mounts import mount_tmpfs
 from tests.support.procs import run
 from trainer.checkpoint import open_storage, verify
 from trainer.errors import EXIT_USAGE
@@ -122,14 +121,6 @@ def test_a_file_where_the_checkpoint_folder_should_be_exits_2_at_start(tmp_path)
     [line] = error_lines(result)
     assert "a file is in the way" in line and "--checkpoint-dir" in line
     assert "epoch 1" not in result.stderr  # refused before training
-
-
-@pytest.fixture
-def mount_point(tmp_path: Path) -> Iterator[Path]:
-    point = tmp_path / "mnt"
-    point.mkdir()
-    yield point
-    unmount(point)
 
 
 def test_a_read_only_checkpoint_folder_exits_2_at_start(mount_point, tmp_path):

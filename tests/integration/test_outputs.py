@@ -3,12 +3,7 @@ with two real ranks: one line that says what to do, exit 2 on every rank, the ch
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
-
-from tests.support.mounts import mount_tmpfs, unmount
+from tests.support.mounts import mount_tmpfs
 from tests.support.procs import env_ranks
 from trainer.checkpoint import open_storage, verify
 from trainer.errors import EXIT_USAGE
@@ -16,14 +11,6 @@ from trainer.errors import EXIT_USAGE
 # 2 ranks x 16 samples: 8 steps an epoch; a metrics line every step.
 RUN = ["--dataset", "synthetic", "--synthetic-train-size", "256", "--synthetic-test-size", "64", "--batch-size",
        "16", "--progress", "off", "--no-tensorboard", "--checkpoint-every", "4", "--log-every", "1"]
-
-
-@pytest.fixture
-def mounted(tmp_path: Path) -> Iterator[Path]:
-    point = tmp_path / "outputs"
-    point.mkdir()
-    yield point
-    unmount(point)
 
 
 def failed_alike(ranks: list, message: str) -> list[str]:
@@ -38,23 +25,23 @@ def failed_alike(ranks: list, message: str) -> list[str]:
     return lines
 
 
-def test_a_read_only_output_folder_is_one_line_on_every_rank_before_training(mounted, tmp_path):
-    mount_tmpfs("ro,size=64k", mounted)
-    ranks = env_ranks([*RUN, "--epochs", "1", "--output-dir", str(mounted), "--checkpoint-dir",
+def test_a_read_only_output_folder_is_one_line_on_every_rank_before_training(mount_point, tmp_path):
+    mount_tmpfs("ro,size=64k", mount_point)
+    ranks = env_ranks([*RUN, "--epochs", "1", "--output-dir", str(mount_point), "--checkpoint-dir",
                        str(tmp_path / "checkpoints")], world_size=2, timeout_s=120)
-    failed_alike(ranks, f"cannot write {mounted}/metrics.jsonl (Read-only file system); fix the permissions of "
-                        f"{mounted} or choose another --output-dir")
+    failed_alike(ranks, f"cannot write {mount_point}/metrics.jsonl (Read-only file system); fix the permissions of "
+                        f"{mount_point} or choose another --output-dir")
     assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").iterdir())
 
 
-def test_a_disk_that_fills_up_mid_run_is_one_line_on_every_rank_and_the_checkpoints_stay(mounted, tmp_path):
-    mount_tmpfs("size=8k", mounted)  # two pages: config.yaml, then about 16 lines of metrics.jsonl
+def test_a_disk_that_fills_up_mid_run_is_one_line_on_every_rank_and_the_checkpoints_stay(mount_point, tmp_path):
+    mount_tmpfs("size=8k", mount_point)  # two pages: config.yaml, then about 16 lines of metrics.jsonl
     checkpoints = tmp_path / "checkpoints"
-    ranks = env_ranks([*RUN, "--epochs", "4", "--output-dir", str(mounted), "--checkpoint-dir", str(checkpoints)],
+    ranks = env_ranks([*RUN, "--epochs", "4", "--output-dir", str(mount_point), "--checkpoint-dir", str(checkpoints)],
                       world_size=2, timeout_s=120)
-    failed_alike(ranks, f"cannot write {mounted}/metrics.jsonl (No space left on device); free space on "
-                        f"{mounted} or choose another --output-dir")
-    assert (mounted / "config.yaml").is_file()
+    failed_alike(ranks, f"cannot write {mount_point}/metrics.jsonl (No space left on device); free space on "
+                        f"{mount_point} or choose another --output-dir")
+    assert (mount_point / "config.yaml").is_file()
     storage = open_storage(str(checkpoints))
     assert storage.list_checkpoints(), "the run trained for a while before the disk was full"
     for name in storage.list_checkpoints():

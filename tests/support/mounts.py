@@ -4,9 +4,21 @@ CI=true they fail)."""
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 from tests.support.preconditions import unavailable
+
+
+@pytest.fixture
+def mount_point(tmp_path: Path) -> Iterator[Path]:
+    """An empty folder to mount a tmpfs on (mount_tmpfs); unmounted at the end."""
+    point = tmp_path / "mnt"
+    point.mkdir()
+    yield point
+    unmount(point)
 
 
 def mount_tmpfs(options: str, point: Path) -> None:
