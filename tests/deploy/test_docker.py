@@ -206,6 +206,9 @@ def test_compose_defaults_give_two_nodes_of_two_ranks_safely_configured(tmp_path
     assert node["environment"]["OMP_NUM_THREADS"] == "1"
     assert {mount["source"] for mount in node["volumes"] if mount["type"] == "volume"} == {"runs", "data", "user-code"}
     assert [mount["read_only"] for mount in node["volumes"] if mount["target"] == "/workspace/user"] == [True]
+    # Hardened; the real runs below (every test that trains under Compose) prove training needs no more.
+    assert node["read_only"] is True and node["tmpfs"] == ["/tmp"], "a read-only root, a tmpfs /tmp"
+    assert node["cap_drop"] == ["ALL"] and "no-new-privileges:true" in node["security_opt"]
 
 
 def test_env_example_lists_every_compose_setting_with_its_default(tmp_path):

@@ -173,6 +173,7 @@ def test_pods_run_as_a_user_without_privileges(source):
         pod = plan.template["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] > 0
         assert not any(pod.get(k) for k in ("hostNetwork", "hostPID", "hostIPC")), plan.name
+        assert pod["automountServiceAccountToken"] is False, f"{plan.name}: no API token in a training pod"
         assert not any("hostPath" in v for v in pod["volumes"]), plan.name
         for container in pod["containers"]:
             security = container["securityContext"]
