@@ -90,11 +90,11 @@ def run(task: str | type | None = None, argv: Sequence[str] | None = None, **set
         return EXIT_PREEMPTED
 
 
-def write_config(output_dir: Path, config: Config) -> None:
+def write_config(output_dir: Path, shown_config: str) -> None:
     path = output_dir / "config.yaml"
     with writing(path):
         output_dir.mkdir(parents=True, exist_ok=True)
-        path.write_text(redact(dump_yaml(config)))
+        path.write_text(shown_config)
 
 
 def train(config: Config, spec: TaskSpec, runtime: Runtime) -> dict[str, object]:
@@ -102,8 +102,9 @@ def train(config: Config, spec: TaskSpec, runtime: Runtime) -> dict[str, object]
     log = setup_logging(runtime.identity)
     started = time.perf_counter()
     output_dir = Path(config.output.output_dir)
+    shown_config = redact(dump_yaml(config))  # logged now, written to config.yaml once the run goes ahead
     if runtime.is_main:
-        log.info("config:\n%s", redact(dump_yaml(config)).rstrip())
+        log.info("config:\n%s", shown_config.rstrip())
     log.info("%s; device %s, backend %s, %d threads; task %s", runtime.identity.describe(), runtime.device,
              runtime.backend, torch.get_num_threads(), spec.describe())
 
@@ -122,7 +123,7 @@ def train(config: Config, spec: TaskSpec, runtime: Runtime) -> dict[str, object]
         if loaded is not None:
             trainer.restore(loaded)
         # Once the run is known to go ahead: a refused resume leaves the last one's.
-        agreed(runtime, lambda: write_config(output_dir, config) if runtime.is_main else None, OutputError)
+        agreed(runtime, lambda: write_config(output_dir, shown_config) if runtime.is_main else None, OutputError)
         samples_before = trainer.position.samples_seen
         result = trainer.fit()
     finally:

@@ -7,7 +7,7 @@ start while later layers are still computing gradients).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -150,24 +150,27 @@ def build_grad_sync(name: str, runtime: Runtime) -> GradSync:
     return SYNC_METHODS.get(name)(runtime)
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain module inside DDP, DataParallel or torch.compile wrappers: what checkpoints hold."""
+def _layers(model: nn.Module) -> Iterator[nn.Module]:
+    """The model, then each module it wraps, outermost first: torch.compile's, DDP's or DataParallel's."""
     while True:
+        yield model
         if isinstance(model, DistributedDataParallel | DataParallel):
             model = model.module
         elif hasattr(model, "_orig_mod"):
             model = model._orig_mod  # torch.compile's OptimizedModule
         else:
-            return model
+            return
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module inside DDP, DataParallel or torch.compile wrappers: what checkpoints hold."""
+    *_, plain = _layers(model)
+    return plain
 
 
 def _ddp_inside(model: nn.Module) -> DistributedDataParallel | None:
     """The DDP wrapper of a model that may also be compiled (torch.compile wraps DDP, see trainer.build)."""
-    while not isinstance(model, DistributedDataParallel):
-        if not hasattr(model, "_orig_mod"):
-            return None
-        model = model._orig_mod
-    return model
+    return next((layer for layer in _layers(model) if isinstance(layer, DistributedDataParallel)), None)
 
 
 def broadcast_state(model: nn.Module, runtime: Runtime) -> None:

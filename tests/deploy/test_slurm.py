@@ -86,18 +86,24 @@ class Job:
         return state
 
 
+def sbatch(workdir: Path, log_name: str, flags: tuple[str, ...], options: tuple[str, ...] = (),
+           script: Path = SBATCH, settings: dict[str, str] | None = None) -> Job:
+    """Submit ``script`` with trainer flags from ``workdir``, as a user does; the job's log is workdir/log_name."""
+    env = {**without_launcher_variables(os.environ), "PYTHON": sys.executable, **(settings or {})}
+    output = workdir / log_name
+    submitted = subprocess.run(["sbatch", "--parsable", f"--output={output}", *options, str(script), *flags],
+                               capture_output=True, text=True, env=env, cwd=workdir, timeout=30, check=False)
+    assert submitted.returncode == 0, submitted.stderr
+    return Job(submitted.stdout.strip().split(";")[0], output)
+
+
 @pytest.fixture
 def submit(cluster: None, tmp_path: Path) -> Iterator[Any]:
     """sbatch slurm/train.sbatch with trainer flags, as a user submits it; cancels what is left at the end."""
     jobs: list[Job] = []
 
     def submit_job(*flags: str, options: tuple[str, ...] = (), script: Path = SBATCH, **settings: str) -> Job:
-        env = {**without_launcher_variables(os.environ), "PYTHON": sys.executable, **settings}
-        output = tmp_path / f"job-{len(jobs)}.out"
-        submitted = subprocess.run(["sbatch", "--parsable", f"--output={output}", *options, str(script), *flags],
-                                   capture_output=True, text=True, env=env, cwd=tmp_path, timeout=30, check=False)
-        assert submitted.returncode == 0, submitted.stderr
-        jobs.append(Job(submitted.stdout.strip().split(";")[0], output))
+        jobs.append(sbatch(tmp_path, f"job-{len(jobs)}.out", flags, options, script, settings))
         return jobs[-1]
 
     yield submit_job
@@ -114,13 +120,7 @@ def final_model(output_dir: Path) -> dict[str, Any]:
 def uninterrupted(cluster: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The reference: the long run, 2 nodes x 2 tasks, never interrupted."""
     workdir = tmp_path_factory.mktemp("uninterrupted")
-    env = {**without_launcher_variables(os.environ), "PYTHON": sys.executable}
-    output = workdir / "job.out"
-    submitted = subprocess.run(["sbatch", "--parsable", f"--output={output}", str(SBATCH), *LONG,
-                                "--output-dir", str(workdir / "run")], capture_output=True, text=True, env=env,
-                               cwd=workdir, timeout=30, check=False)
-    assert submitted.returncode == 0, submitted.stderr
-    job = Job(submitted.stdout.strip().split(";")[0], output)
+    job = sbatch(workdir, "job.out", (*LONG, "--output-dir", str(workdir / "run")))
     state = job.finish()
     return {"job": job, "state": state, "summary": summary(workdir / "run"), **final_model(workdir / "run")}
 
