@@ -14,6 +14,7 @@ tears down, and returns the exit code the launcher should see (0, or one of trai
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -35,6 +36,7 @@ from trainer.errors import (
     EXIT_PEER_LOST,
     EXIT_PREEMPTED,
     OutputError,
+    PeerLost,
     Preempted,
     UserError,
     first_line,
@@ -52,6 +54,12 @@ __all__ = ["run", "train"]
 # What gloo and NCCL say when a peer process is gone; such an error is the other rank's story, not this one's.
 PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|Connection refused|"
                        r"NCCL communicator was aborted|Timed out waiting|timed out|DistNetworkError", re.IGNORECASE)
+
+
+# gloo's ("Timed out waiting 2000ms for recv operation"), NCCL's watchdog's and the store's words for an
+# operation between ranks that ran past its timeout (a peer that is gone says otherwise: connection closed).
+TIMED_OUT = re.compile(r"Timed out waiting|Watchdog caught collective operation timeout|wait timeout|Socket Timeout",
+                       re.IGNORECASE)
 
 
 def run(task: str | type | None = None, argv: Sequence[str] | None = None, **settings: Any) -> int:
@@ -74,7 +82,9 @@ def run(task: str | type | None = None, argv: Sequence[str] | None = None, **set
             train(config, spec, runtime)
         return EXIT_OK
     except UserError as error:
-        print(f"[rank {rank}] error: {redact(user_message(error))}", file=sys.stderr, flush=True)
+        retry = (f"; exiting with {EXIT_PEER_LOST} so the launcher restarts the job from its last checkpoint"
+                 if isinstance(error, PeerLost) else "")
+        print(f"[rank {rank}] error: {redact(user_message(error))}{retry}", file=sys.stderr, flush=True)
         return error.exit_code
     except RuntimeError as error:
         first = first_line(error)
@@ -97,6 +107,28 @@ def write_config(output_dir: Path, shown_config: str) -> None:
         path.write_text(shown_config)
 
 
+def _prepare_and_fit(config: Config, spec: TaskSpec, runtime: Runtime, checkpoints: CheckpointManager,
+                     watcher: PreemptionWatcher, log: logging.Logger, shown_config: str
+                     ) -> tuple[dict[str, float], Trainer]:
+    checkpoints.prepare()
+    # The checkpoint is read, and its fit to this run checked, before the data and model are built.
+    loaded = checkpoints.load(config.checkpoint.resume)
+    if loaded is not None:
+        for change in check_resume(loaded, config, spec):
+            log.info("resuming with a change: %s", change)
+    setup = build_training(config, spec, runtime)
+    trainer = Trainer(config, runtime, setup, checkpoints, watcher, log)
+    try:
+        if loaded is not None:
+            trainer.restore(loaded)
+        # Once the run is known to go ahead: a refused resume leaves the last one's.
+        agreed(runtime, lambda: write_config(Path(config.output.output_dir), shown_config) if runtime.is_main
+               else None, OutputError)
+        return trainer.fit(), trainer
+    finally:
+        trainer.close()
+
+
 def train(config: Config, spec: TaskSpec, runtime: Runtime) -> dict[str, object]:
     """One training run in a joined group: returns (and rank 0 writes) the summary."""
     log = setup_logging(runtime.identity)
@@ -111,23 +143,14 @@ def train(config: Config, spec: TaskSpec, runtime: Runtime) -> dict[str, object]
     watcher = PreemptionWatcher(config.checkpoint.grace_period_s, runtime.device, log)
     watcher.install()  # before the slow parts, so an early SIGTERM is not lost
     checkpoints = CheckpointManager(config.checkpoint, config.checkpoint_dir, runtime, log, Monitor(*spec.monitor))
-    checkpoints.prepare()
-    # The checkpoint is read, and its fit to this run checked, before the data and model are built.
-    loaded = checkpoints.load(config.checkpoint.resume)
-    if loaded is not None:
-        for change in check_resume(loaded, config, spec):
-            log.info("resuming with a change: %s", change)
-    setup = build_training(config, spec, runtime)
-    trainer = Trainer(config, runtime, setup, checkpoints, watcher, log)
     try:
-        if loaded is not None:
-            trainer.restore(loaded)
-        # Once the run is known to go ahead: a refused resume leaves the last one's.
-        agreed(runtime, lambda: write_config(output_dir, shown_config) if runtime.is_main else None, OutputError)
-        samples_before = trainer.position.samples_seen
-        result = trainer.fit()
+        result, trainer = _prepare_and_fit(config, spec, runtime, checkpoints, watcher, log, shown_config)
+    except RuntimeError as error:
+        if runtime.liveness is None or not TIMED_OUT.search(str(error)):
+            raise
+        raise PeerLost(runtime.liveness.diagnose(config.dist.collective_timeout_s)) from None
     finally:
-        trainer.close()
+        checkpoints.close()  # the folder's lease, released whatever happened (a kill leaves it to expire)
         watcher.uninstall()
     wall_time_s = time.perf_counter() - started
     summary = {
@@ -140,7 +163,7 @@ def train(config: Config, spec: TaskSpec, runtime: Runtime) -> dict[str, object]
         "epochs_completed": trainer.position.epoch,
         "resumed_from": trainer.resumed_from,
         "wall_time_s": round(wall_time_s, 3),
-        "train_samples_per_s": round((trainer.position.samples_seen - samples_before) / wall_time_s, 1),
+        "train_samples_per_s": round((trainer.position.samples_seen - trainer.samples_at_start) / wall_time_s, 1),
     }
     agreed(runtime, lambda: write_summary(output_dir, summary) if runtime.is_main else None, OutputError)
     if runtime.is_main:

@@ -121,7 +121,8 @@ def first(dataset: Dataset[Any], count: int) -> Dataset[Any]:
 def build_training(config: Config, spec: TaskSpec, runtime: Runtime) -> TrainingSetup:
     identity, device, seed = runtime.identity, runtime.device, config.train.seed
     task = agreed(runtime, lambda: spec.create(config.task_options), TaskError)
-    data = agreed(runtime, lambda: _task_data(spec, task, TaskContext(runtime, seed)), TaskError)
+    data = agreed(runtime, lambda: _task_data(spec, task, TaskContext(runtime, seed)), TaskError,
+                  long_work="the task's datasets")
     train_set = first(data.train, config.data.max_train_samples)
     eval_set = first(data.eval, config.data.max_test_samples)
 

@@ -120,6 +120,12 @@ class CheckpointConfig:
         "see docs/checkpoints.md for what a resume always allows and always refuses", resume=ResumeRule.IGNORE)
     async_checkpoint: bool = option(False, "write checkpoints in a background thread")
     grace_period_s: float = option(25.0, "after SIGTERM, exit within this many seconds (checkpoint included)")
+    lease_expiry_s: float = option(60.0, "a checkpoint folder belongs to one job; the lease of a job killed without "
+                                         "releasing it is free after this many seconds without renewal",
+                                  resume=ResumeRule.IGNORE)
+    take_over_checkpoint_dir: bool = option(False, "take the checkpoint folder from the job that holds its lease "
+                                                   "now (only when that job is gone)",
+                                            resume=ResumeRule.IGNORE)
 
     def __post_init__(self) -> None:
         check(self.checkpoint_every >= 0, "--checkpoint-every must be >= 0")
@@ -127,6 +133,8 @@ class CheckpointConfig:
                                    f"got {self.keep_last}")
         check(bool(self.resume), "--resume must be latest, none or a path")
         check(self.grace_period_s > 0, "--grace-period-s must be > 0")
+        check(self.lease_expiry_s >= 4, f"--lease-expiry-s must be >= 4 (it is renewed every quarter of it), "
+                                        f"got {self.lease_expiry_s:g}")
 
     def allowed_changes(self) -> set[str]:
         return {name.strip().replace("-", "_") for name in self.allow_resume_change.split(",") if name.strip()}

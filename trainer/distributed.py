@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from trainer.env import DistIdentity
 from trainer.errors import DeviceError, RendezvousError, UserError, first_line
+from trainer.liveness import Liveness
 
 if TYPE_CHECKING:  # the config's choices come from registries whose modules import this one
     from trainer.config import DistConfig
@@ -34,6 +35,12 @@ class Runtime:
     identity: DistIdentity
     device: torch.device
     backend: str
+    liveness: Liveness | None = None  # heartbeats, where there are peers to watch
+
+    def wait_for_all(self, what: str) -> None:
+        """The end of long work on some ranks (trainer.liveness): waits for peers that are alive, however long."""
+        if self.liveness is not None:
+            self.liveness.wait_for_all(what)
 
     @property
     def is_main(self) -> bool:
@@ -125,6 +132,7 @@ def init_process_group(config: DistConfig, identity: DistIdentity, device: torch
         store = _store(identity, config)
         dist.init_process_group(backend, store=store, rank=identity.rank, world_size=identity.world_size,
                                 timeout=timeout)
+        return Runtime(identity, device, backend, Liveness(store, identity, config.collective_timeout_s))
     return Runtime(identity, device, backend)
 
 
@@ -174,6 +182,9 @@ def _fresh_store(agent_store: dist.TCPStore, identity: DistIdentity, config: Dis
             candidate = dist.TCPStore(identity.master_addr, int(port), identity.world_size, is_master=False,
                                       timeout=timedelta(seconds=2))
             if candidate.get(TOKEN_KEY).decode() == token:
+                # The short timeout was for probing announcements; the store's clones (trainer.liveness)
+                # connect with this one, and 8 ranks starting on 2 cores can take longer than 2 s.
+                candidate.set_timeout(timeout)
                 return candidate
         except (RuntimeError, OSError):
             pass  # the announcement of a rank 0 that is gone: wait for the new one
@@ -197,6 +208,8 @@ def process_group(config: DistConfig, identity: DistIdentity, device: torch.devi
     try:
         yield runtime
     finally:
+        if runtime.liveness is not None:
+            runtime.liveness.close()
         destroy_process_group()
 
 
@@ -218,17 +231,24 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     return _all_ranks_flag(flag, dist.ReduceOp.MAX, device)
 
 
-def agreed(runtime: Runtime, step: Callable[[], T], error_type: type[UserError] = UserError) -> T:
+def agreed(runtime: Runtime, step: Callable[[], T], error_type: type[UserError] = UserError,
+           long_work: str = "") -> T:
     """Run ``step`` on every rank, then agree: a failure on any rank is raised on every rank.
 
     A UserError becomes the lowest failing rank's message, on every rank, as ``error_type``. An
     unexpected exception (a bug, not bad input) keeps its traceback on its own rank; the others raise
-    ``error_type`` naming that rank.
+    ``error_type`` naming that rank. ``long_work``: what the step is when it can take longer than
+    --collective-timeout-s on some ranks (a download): the others wait while those ranks are alive.
     """
+    failure: Exception | None = None
     try:
         value = step()
     except Exception as error:  # every failure must reach the agreement, or the other ranks hang in it
-        _fail_everywhere(runtime, error, error_type)
+        failure = error
+    if long_work:
+        runtime.wait_for_all(long_work)
+    if failure is not None:
+        _fail_everywhere(runtime, failure, error_type)
     if runtime.identity.distributed and not agree(True, runtime.device):
         _fail_everywhere(runtime, None, error_type)
     return value

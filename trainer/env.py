@@ -20,6 +20,7 @@ This is the only module that reads launcher variables. Dialects:
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -40,7 +41,7 @@ SLURM_PORT_BASE, SLURM_PORT_SPAN = 20000, 10000
 LAUNCHER_VARIABLES = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
     "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_USE_AGENT_STORE", "DDP_JOB_ID",
 )
 LAUNCHER_PREFIXES = ("PET_", "SLURM_", "SLURMD_")
 
@@ -65,6 +66,9 @@ class DistIdentity:
     hostname: str
     restart_count: int = 0  # which attempt this is: torchrun's TORCHELASTIC_RESTART_COUNT, SLURM_RESTART_COUNT
     agent_store: bool = False  # torchrun's agent already serves the store at MASTER_ADDR:MASTER_PORT
+    # What a restart of this job has in common with this attempt, and a concurrent other job cannot have
+    # (see job_name): the checkpoint folder's lease lets "the same job" in at once.
+    job: str = ""
 
     @property
     def is_main(self) -> bool:
@@ -138,7 +142,8 @@ def identity_from_env(env: Mapping[str, str], hostname: str | None = None, maste
                 f"{', '.join(pet)} set but RANK and WORLD_SIZE are not: PET_* variables are torchrun's "
                 f"options (Kubeflow Trainer sets only these); {TORCHRUN_HINT}"
             )
-        return DistIdentity(0, 0, 1, 1, 0, 1, "127.0.0.1", 0, "single-process", host)
+        return DistIdentity(0, 0, 1, 1, 0, 1, "127.0.0.1", 0, "single-process", host,
+                            job=job_name(env, "single-process", host, "", 0))
 
     if "WORLD_SIZE" not in has:
         present = "LOCAL_RANK" if "LOCAL_RANK" in has else "RANK"
@@ -189,7 +194,32 @@ def identity_from_env(env: Mapping[str, str], hostname: str | None = None, maste
         if "TORCHELASTIC_RESTART_COUNT" in has else 0
     return DistIdentity(rank, local_rank, world_size, local_world_size, node_rank, num_nodes,
                         master_addr, master_port, launcher, host, restart_count,
-                        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True")
+                        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True",
+                        job=job_name(env, launcher, host, master_addr, master_port))
+
+
+def job_name(env: Mapping[str, str], launcher: str, host: str, master_addr: str, master_port: int) -> str:
+    """Who "the same job" is across restarts, for the checkpoint folder's lease.
+
+    ``DDP_JOB_ID`` names it where set. Slurm: the job id, kept by a requeue. torchrun: its run id
+    (``--rdzv-id``). Otherwise the rendezvous address: a PyTorchJob's ``<name>-master-0``, Compose's
+    ``node0``, torchrun's agent without a run id keep their MASTER_ADDR:MASTER_PORT across restarts, and
+    two jobs cannot listen on one at once. A
+    single process has none: every run is its own job, and a sequential re-run finds the lease released.
+    """
+    named = env.get("DDP_JOB_ID", "").strip()
+    if named:
+        return named
+    if launcher in ("slurm", "torchrun") and env.get("SLURM_JOB_ID", "").strip():  # torchrun per node under sbatch
+        return f"slurm-job-{env['SLURM_JOB_ID'].strip()}"
+    if launcher == "single-process":
+        return f"process-{host}-{os.getpid()}"
+    run_id = env.get("TORCHELASTIC_RUN_ID", "").strip()
+    if launcher == "torchrun" and run_id not in ("", "none"):
+        # --rdzv-id names the job (--standalone makes a random one per torchrun): kept across restarts, also
+        # when a new rendezvous round moves the agent's store (MASTER_ADDR:MASTER_PORT) to another node.
+        return f"torchrun-{run_id}"
+    return f"{launcher}@{master_addr}:{master_port}"
 
 
 def _refuse_node_rank_as_process_rank(env: Mapping[str, str], world_size: int) -> None:
@@ -260,4 +290,4 @@ def _slurm_identity(env: Mapping[str, str], has: set[str], host: str, master_por
         raise LaunchEnvError(f"master port {port} is not a TCP port; set MASTER_PORT or --master-port to 1-65535")
     restart_count = _int(env, "SLURM_RESTART_COUNT", "set by Slurm") if "SLURM_RESTART_COUNT" in has else 0
     return DistIdentity(rank, local_rank, world_size, local_world_size, node_rank, len(nodes), master_addr, port,
-                        "slurm", host, restart_count)
+                        "slurm", host, restart_count, job=job_name(env, "slurm", host, master_addr, port))

@@ -8,7 +8,7 @@ retried forever, a preemption must be.
 from __future__ import annotations
 
 __all__ = ["EXIT_FAILURE", "EXIT_OK", "EXIT_PEER_LOST", "EXIT_PREEMPTED", "EXIT_RENDEZVOUS", "EXIT_USAGE",
-           "CheckpointError", "ConfigError", "DataError", "DeviceError", "LaunchEnvError", "Preempted",
+           "CheckpointError", "ConfigError", "DataError", "DeviceError", "LaunchEnvError", "PeerLost", "Preempted",
            "RendezvousError", "TaskError", "UserError", "described", "first_line"]
 
 EXIT_OK = 0
@@ -79,6 +79,12 @@ class DeviceError(UserError):
 
 class TaskError(UserError):
     """The user's task cannot be imported, lacks a part, or one of its parts failed."""
+
+
+class PeerLost(UserError):
+    """Another rank stopped responding or a collective timed out: retried from the last checkpoint."""
+
+    exit_code = EXIT_PEER_LOST
 
 
 class Preempted(Exception):

@@ -47,6 +47,7 @@ class Trainer:
         # Stored redacted, as every saved config (trainer.redact); trainer.resume compares it so.
         self.task_record = TaskRecord(setup.spec.name, setup.spec.source, redacted(options))
         self.resumed_from: str | None = None
+        self.samples_at_start = 0  # where this run started (its throughput counts from there)
         self.output_dir = Path(config.output.output_dir)
         # Rank 0 writes the run's outputs; every rank learns whether it could (exit 2 everywhere if not).
         self.metrics = agreed(runtime, lambda: MetricsWriter(self.output_dir, runtime.is_main,
@@ -78,6 +79,7 @@ class Trainer:
                                   f"an epoch, but this run's training set has {train_size}; resume with the same "
                                   f"--max-train-samples")
         self._last_saved_step = self.position.step
+        self.samples_at_start = self.position.samples_seen
         if state.world_size != identity.world_size:
             self.log.info("resuming a %d-rank checkpoint with %d ranks at sample %d of epoch %d", state.world_size,
                           identity.world_size, self.position.samples_in_epoch, self.position.epoch + 1)
@@ -194,6 +196,8 @@ class Trainer:
         setup.scaler.update()
         setup.optimizer.zero_grad(set_to_none=True)
         self.position.step += 1
+        if self.runtime.liveness is not None:
+            self.runtime.liveness.step = self.position.step  # told to peers that wait for this rank
         return lr
 
     def _reached_max_steps(self) -> bool:

@@ -8,6 +8,7 @@ import errno
 import json
 import logging
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -64,6 +65,7 @@ class MetricsWriter:
         self.jsonl_path, self.tensorboard_path = output_dir / "metrics.jsonl", output_dir / "tensorboard"
         self._jsonl: TextIO | None = None
         self._tensorboard: Any = None
+        self._previous_excepthook = threading.excepthook
         if not enabled:
             return
         with writing(self.jsonl_path):
@@ -74,6 +76,9 @@ class MetricsWriter:
 
             with writing(self.tensorboard_path):
                 self._tensorboard = SummaryWriter(log_dir=str(self.tensorboard_path))
+            # TensorBoard's writer thread keeps a write error for the next call (a one-line OutputError
+            # here) and also lets it escape the thread, which would print a traceback; that copy is hidden.
+            threading.excepthook = self._hide_tensorboard_write_errors
 
     def write(self, kind: str, step: int, values: dict[str, float | int]) -> None:
         if not self.enabled:
@@ -89,6 +94,11 @@ class MetricsWriter:
                 for key, value in values.items():
                     self._tensorboard.add_scalar(f"{kind}/{key}", value, step)
 
+    def _hide_tensorboard_write_errors(self, args: threading.ExceptHookArgs) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError):
+            return
+        self._previous_excepthook(args)
+
     def close(self) -> None:
         """Best effort: every record was flushed when written; an error here would reach one rank only."""
         with contextlib.suppress(OSError):
@@ -96,6 +106,8 @@ class MetricsWriter:
                 self._jsonl.close()
             if self._tensorboard is not None:
                 self._tensorboard.close()
+        if self._tensorboard is not None:
+            threading.excepthook = self._previous_excepthook
 
 
 class ProgressDisplay:

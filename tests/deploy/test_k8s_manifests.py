@@ -53,8 +53,8 @@ def trainer_config(source: str, plan: PodPlan, tmp_path: Path) -> Config:
 def test_kubectl_apply_on_the_folder_sends_the_job_its_config_and_its_volume():
     objects = render(PLAIN_DIR)
     assert sorted((o["kind"], o["metadata"]["name"]) for o in objects) == [
-        ("ConfigMap", "ddp-train-config"), ("PersistentVolumeClaim", "ddp-train-storage"),
-        ("PyTorchJob", "ddp-train")]
+        ("ConfigMap", "ddp-train-config"), ("NetworkPolicy", "ddp-train"),
+        ("PersistentVolumeClaim", "ddp-train-storage"), ("PyTorchJob", "ddp-train")]
     applied = [p for p in K8S_DIR.iterdir() if p.suffix in (".yaml", ".yml", ".json")]
     assert len(applied) == len(objects), "each file directly in k8s/ holds one object"
 
@@ -191,6 +191,19 @@ def test_run_policy_bounds_retries_and_cleans_up(source):
 
 
 @pytest.mark.parametrize("source", PYTORCHJOB_SOURCES)
+def test_only_the_jobs_own_pods_may_connect_to_its_pods(source):
+    objects = render(source)
+    (job,) = of_kind(objects, "PyTorchJob")
+    (policy,) = of_kind(objects, "NetworkPolicy")
+    # The label the training operator puts on each pod it creates for this job.
+    own_pods = {"matchLabels": {"training.kubeflow.org/job-name": job["metadata"]["name"]}}
+    spec = policy["spec"]
+    assert spec["podSelector"] == own_pods and spec["policyTypes"] == ["Ingress"]
+    assert spec["ingress"] == [{"from": [{"podSelector": own_pods}]}], "no other source, no namespace, no address"
+    assert policy["metadata"].get("namespace") == job["metadata"].get("namespace")
+
+
+@pytest.mark.parametrize("source", PYTORCHJOB_SOURCES)
 def test_pods_opt_out_of_sidecar_injection(source):
     for plan in pod_plans(job_of(source)):
         assert plan.template["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false", plan.name
@@ -212,8 +225,11 @@ def test_gpu_jobs_train_the_cpu_job_on_cuda_with_nccl(source, tmp_path):
 
 
 def test_elastic_job_joins_a_c10d_rendezvous_that_closes_when_all_workers_are_in():
-    spec = job_of("k8s/overlays/elastic")["spec"]
+    job = job_of("k8s/overlays/elastic")
+    spec = job["spec"]
     elastic, workers = spec["elasticPolicy"], spec["pytorchReplicaSpecs"]["Worker"]["replicas"]
+    # torchrun's run id, the job's name for its checkpoint folder's lease in every round (trainer.env.job_name).
+    assert elastic["rdzvId"] == job["metadata"]["name"]
     assert "Master" not in spec["pytorchReplicaSpecs"]
     assert elastic["rdzvBackend"] == "c10d" and elastic["maxRestarts"] >= 1
     assert elastic["minReplicas"] < workers == elastic["maxReplicas"]

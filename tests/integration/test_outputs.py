@@ -31,7 +31,7 @@ def test_a_read_only_output_folder_is_one_line_on_every_rank_before_training(mou
                        str(tmp_path / "checkpoints")], world_size=2, timeout_s=120)
     failed_alike(ranks, f"cannot write {mount_point}/metrics.jsonl (Read-only file system); fix the permissions of "
                         f"{mount_point} or choose another --output-dir")
-    assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").iterdir())
+    assert not list((tmp_path / "checkpoints").glob("step-*")), "no checkpoint written"
 
 
 def test_a_disk_that_fills_up_mid_run_is_one_line_on_every_rank_and_the_checkpoints_stay(mount_point, tmp_path):
@@ -42,6 +42,22 @@ def test_a_disk_that_fills_up_mid_run_is_one_line_on_every_rank_and_the_checkpoi
     failed_alike(ranks, f"cannot write {mount_point}/metrics.jsonl (No space left on device); free space on "
                         f"{mount_point} or choose another --output-dir")
     assert (mount_point / "config.yaml").is_file()
+    storage = open_storage(str(checkpoints))
+    assert storage.list_checkpoints(), "the run trained for a while before the disk was full"
+    for name in storage.list_checkpoints():
+        verify(storage, name)
+
+
+def test_a_tensorboard_folder_that_fills_up_is_one_line_on_every_rank_and_the_checkpoints_stay(mount_point, tmp_path):
+    output = tmp_path / "run"
+    output.mkdir()
+    (output / "tensorboard").symlink_to(mount_point)  # the event files on a disk of their own, 8 KB
+    mount_tmpfs("size=8k", mount_point)
+    checkpoints = tmp_path / "checkpoints"
+    ranks = env_ranks([*RUN, "--tensorboard", "--epochs", "20", "--output-dir", str(output), "--checkpoint-dir",
+                       str(checkpoints)], world_size=2, timeout_s=120)
+    failed_alike(ranks, f"cannot write {output}/tensorboard (No space left on device); free space on "
+                        f"{output} or choose another --output-dir")
     storage = open_storage(str(checkpoints))
     assert storage.list_checkpoints(), "the run trained for a while before the disk was full"
     for name in storage.list_checkpoints():

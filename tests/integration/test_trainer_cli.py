@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from tests.support.checkpoints import newest_checkpoint, summary
-from tests.support.procs import BIN_DIR, REPO_ROOT, clean_env, env_ranks, free_port, run, torchrun
+from tests.support.preconditions import unavailable
+from tests.support.procs import BIN_DIR, REPO_ROOT, clean_env, env_ranks, free_port, kill_session, run, torchrun
 from trainer.errors import EXIT_PEER_LOST, EXIT_RENDEZVOUS, EXIT_USAGE
 
 TINY = ["--dataset", "synthetic", "--synthetic-train-size", "192", "--synthetic-test-size", "67", "--batch-size",
@@ -123,6 +124,39 @@ def test_unresolvable_master_host_is_retried_then_named(tmp_path):
                  env={"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "no-such-host.invalid", "MASTER_PORT": "29500"})
     assert result.returncode == EXIT_RENDEZVOUS
     assert "host name 'no-such-host.invalid' does not resolve" in one_error_line(result.stderr)
+
+
+def test_a_master_name_that_resolves_only_after_some_seconds_is_waited_for_then_joined(tmp_path):
+    # Rank 1 sees a hosts file of its own (a mount namespace) that names the master only 3 s in: a pod's DNS
+    # record appears some seconds after the pod.
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n")
+    port = free_port()
+    args = [*TINY, "--rendezvous-timeout-s", "60", "--output-dir", str(tmp_path / "run")]
+    master = subprocess.Popen([PYTHON, "-m", "trainer", *args], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True,
+                              env=clean_env({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                             "MASTER_PORT": str(port)}))
+    script = (f"mount --bind {hosts} /etc/hosts || exit 97; getent hosts late-master || echo 'late-master does not "
+              f"resolve yet'; exec {PYTHON} -m trainer {' '.join(args)}")
+    worker = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script], cwd=REPO_ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                              env=clean_env({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "late-master",
+                                             "MASTER_PORT": str(port)}))
+    try:
+        time.sleep(3)
+        if worker.poll() is not None:
+            _, err = worker.communicate()
+            unavailable(f"cannot give a process a hosts file of its own (needs root to unshare and mount): {err}")
+        with hosts.open("a") as file:
+            file.write("127.0.0.1 late-master\n")
+        outs = [process.communicate(timeout=120) for process in (master, worker)]
+    finally:
+        for process in (master, worker):
+            kill_session(process)
+    assert [master.returncode, worker.returncode] == [0, 0], outs[1][1][-3000:]
+    assert "late-master does not resolve yet" in outs[1][0]
+    assert "final test accuracy" in outs[0][0]
 
 
 @pytest.mark.slow

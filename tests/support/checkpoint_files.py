@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from trainer.checkpoint.lease import LEASE_FOLDER
+
 
 class RunsCodeWhenUnpickled:
     """Unpickling it creates ``marker``: proof that a loader executed the checkpoint's code."""
@@ -73,5 +75,7 @@ def break_checkpoint(folder: Path, defect: str, marker: Path | None = None, vers
 
 
 def checkpoint_bytes(folder: Path) -> dict[str, bytes]:
-    """Every file under ``folder`` and its content."""
-    return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+    """Every file of the checkpoints under ``folder`` and its content (not the folder's lease, which each job
+    renews and releases)."""
+    return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*"))
+            if path.is_file() and LEASE_FOLDER not in path.relative_to(folder).parts}

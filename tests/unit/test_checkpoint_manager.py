@@ -152,7 +152,8 @@ def test_no_checkpoint_means_a_fresh_start(manager_for, tmp_path):
 
 def test_a_save_leaves_exactly_one_committed_folder_whose_manifest_describes_it(manager_for, tmp_path):
     save_steps(manager_for(str(tmp_path)), [5])
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["step-00000005"]
+    # Beside it only the folder's lease (trainer.checkpoint.lease): no temporary, no probe.
+    assert sorted(path.name for path in tmp_path.iterdir()) == [".lease", "step-00000005"]
     loaded = verify(open_storage(str(tmp_path)), "step-00000005")
     assert loaded.manifest["step"] == 5
     assert loaded.manifest["files"]["state.pt"]["bytes"] == (tmp_path / "step-00000005" / "state.pt").stat().st_size
@@ -167,7 +168,7 @@ def test_a_checkpoint_moved_aside_for_replacement_is_put_back_when_the_save_cras
     (tmp_path / "step-00000003").rename(tmp_path / ".tmp-replaced-step-00000003-0badc0de")
     (tmp_path / ".tmp-step-00000003-12345678").mkdir()
     manager_for(str(tmp_path))
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["step-00000003"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == [".lease", "step-00000003"]
     verify(open_storage(str(tmp_path)), "step-00000003")
 
 
@@ -175,7 +176,7 @@ def test_saving_a_step_that_exists_replaces_it(manager_for, tmp_path):
     save_steps(manager_for(str(tmp_path)), [4])
     manager = manager_for(str(tmp_path))
     manager.save(state_at(4, torch.ones(2)))
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["step-00000004"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == [".lease", "step-00000004"]
     assert torch.equal(verify(open_storage(str(tmp_path)), "step-00000004").state.model["weight"], torch.ones(2))
 
 

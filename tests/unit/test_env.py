@@ -80,3 +80,18 @@ def test_plain_compose_style_environment():
 def test_inconsistent_environment_names_the_variable(env, message):
     with pytest.raises(LaunchEnvError, match=message):
         identity_from_env(env)
+
+
+def test_the_job_a_restart_belongs_to_is_named_by_what_each_launcher_keeps_across_restarts():
+    pytorchjob = {"MASTER_ADDR": "mnist-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "2", "RANK": "1",
+                  "PET_NNODES": "2"}
+    compose = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
+    assert identity_from_env(TORCHRUN_NODE1_RANK3, hostname="h").job == "torchrun-job"
+    no_run_id = {**TORCHRUN_NODE1_RANK3, "TORCHELASTIC_RUN_ID": "none"}  # torchrun without --rdzv-id
+    assert identity_from_env(no_run_id).job == "torchrun@node0:41231"
+    assert identity_from_env(pytorchjob, hostname="mnist-worker-0").job == "pytorchjob@mnist-master-0:23456"
+    assert identity_from_env(compose, hostname="node1").job == "env@node0:29500"
+    assert identity_from_env({**compose, "DDP_JOB_ID": "nightly-7"}).job == "nightly-7"
+    assert identity_from_env({**TORCHRUN_NODE1_RANK3, "SLURM_JOB_ID": "812"}).job == "slurm-job-812"
+    # A single process has nothing a restart keeps: each run is its own job (its lease is released at exit).
+    assert identity_from_env({}, hostname="laptop").job.startswith("process-laptop-")

@@ -24,7 +24,10 @@ SAVES_AT_MOST = 200  # ends on its own if a test forgets it
 
 def main(checkpoint_dir: str, state_mb: int) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-    with process_group(DistConfig(), identity_from_env({}), torch.device("cpu")) as runtime:
+    # Each start is a restart of one job (as under a launcher that restarts it): it takes the folder's lease
+    # from the attempt it killed at once.
+    identity = identity_from_env({"DDP_JOB_ID": "checkpoint-saver"})
+    with process_group(DistConfig(), identity, torch.device("cpu")) as runtime:
         manager = CheckpointManager(CheckpointConfig(keep_last=2), checkpoint_dir, runtime, logging.getLogger("saver"))
         manager.prepare()
         loaded = manager.load("latest")

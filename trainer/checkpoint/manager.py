@@ -6,6 +6,7 @@ one (no manifest, wrong size or checksum, unreadable) is reported and skipped, n
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 
+from trainer.checkpoint.lease import CheckpointLease
 from trainer.checkpoint.schema import FORMAT, READABLE, SchemaError, TrainingState, library_versions
 from trainer.checkpoint.storage import (
     MANIFEST,
@@ -151,14 +153,22 @@ class CheckpointManager:
         self._writer: threading.Thread | None = None
         self._writer_error: str | None = None
         self._buffers: dict[str, torch.Tensor] = {}
+        self.lease: CheckpointLease | None = None
 
     # -- start ---------------------------------------------------------------------------------------------
     def prepare(self) -> None:
-        """Check the location on rank 0 and clear crashed saves' leftovers; every rank learns the outcome."""
+        """On rank 0: check the location, take its lease (trainer.checkpoint.lease), then clear crashed saves'
+        leftovers, which the lease makes this job's own or stale; every rank learns the outcome."""
         error = None
         if self.runtime.is_main:
             try:
                 self.storage.check_writable()
+                identity = self.runtime.identity
+                lease = CheckpointLease(self.storage, identity.job, identity.hostname, self.config.lease_expiry_s,
+                                        self.log)
+                lease.take(take_over=self.config.take_over_checkpoint_dir)
+                self.lease = lease
+                lease.start_renewing()
                 for stale in self.storage.remove_temporaries():
                     self.log.warning("removed %s, left by a save that did not finish", self.storage.describe(stale))
             except CheckpointError as problem:
@@ -175,6 +185,7 @@ class CheckpointManager:
                 outcome = str(problem)
             except UnknownFormat as problem:
                 outcome = str(problem)
+        self.runtime.wait_for_all("rank 0 to read the checkpoint to resume from")
         outcome = broadcast_from_main(outcome, self.runtime)
         if isinstance(outcome, str):
             raise CheckpointError(outcome)
@@ -231,7 +242,8 @@ class CheckpointManager:
                 self._writer.start()
             else:
                 try:
-                    self._write(name, raw, described)
+                    with self._busy(f"writing checkpoint {name}"):
+                        self._write(name, raw, described)
                 except CheckpointError as problem:
                     error = str(problem)
         if not self.config.async_checkpoint:
@@ -240,6 +252,14 @@ class CheckpointManager:
     def finish(self) -> None:
         """Wait for a background write and make its failure every rank's error."""
         self._raise_everywhere(self._wait_for_writer())
+
+    def close(self) -> None:
+        """Release the folder's lease (on rank 0; local, no collective): the next job may start at once."""
+        if self._writer is not None:
+            self._writer.join()  # a save still being written belongs to this job's time in the folder
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
 
     def _snapshot(self, state: Any, path: str = "") -> Any:
         """Copy tensors into CPU buffers kept between saves (copy_ into a preallocated tensor is several
@@ -281,6 +301,7 @@ class CheckpointManager:
             manifest = {"format": FORMAT, **manifest_extra, "created_unix": time.time(), "files": files}
             return json.dumps(manifest, indent=2).encode()
 
+        self._check_lease()
         # torch.save streams straight into the temporary file (through the checksum): no serialised copy
         # of the whole state in memory, no second pass to hash it.
         self.storage.write(name, {STATE_FILE: lambda handle: torch.save(state, handle)}, make_manifest)
@@ -298,6 +319,7 @@ class CheckpointManager:
         resuming (each is replaced when training reaches its step) or another history the user chose
         to leave with --resume PATH; counting them would delete this run's good fallbacks.
         """
+        self._check_lease()  # never prune another job's checkpoints
         current = step_of(written) or 0
         older = [name for name in self.storage.list_checkpoints() if (step_of(name) or 0) <= current]
         committed: list[tuple[str, dict[str, Any]]] = []
@@ -320,8 +342,19 @@ class CheckpointManager:
             except OSError as error:
                 self.log.warning("could not remove old checkpoint %s: %s", self.storage.describe(name), error)
 
+    def _busy(self, doing: str) -> contextlib.AbstractContextManager[None]:
+        """What rank 0's heartbeat tells the ranks that wait for it."""
+        return self.runtime.liveness.busy(doing) if self.runtime.liveness is not None else contextlib.nullcontext()
+
+    def _check_lease(self) -> None:
+        if self.lease is not None:
+            self.lease.check()
+
     def _raise_everywhere(self, error: str | None) -> None:
-        """Rank 0's checkpoint error, raised on every rank, so no rank waits for one that has quit."""
+        """Rank 0's checkpoint error, raised on every rank, so no rank waits for one that has quit. Rank 0's
+        work before it (a save to slow storage) may outlast --collective-timeout-s: the others wait for it
+        while it is alive (trainer.liveness)."""
+        self.runtime.wait_for_all("rank 0's checkpoint work")
         error = broadcast_from_main(error, self.runtime)
         if error:
             if self.runtime.is_main:

@@ -184,6 +184,22 @@ class CheckpointStorage(ABC):
     def check_writable(self) -> None:
         """Raise CheckpointError now, at start, rather than after an epoch of training."""
 
+    # -- small files of the folder's own (trainer.checkpoint.lease) -----------------------------------------
+    @abstractmethod
+    def create_exclusive(self, name: str, filename: str, data: bytes) -> bool:
+        """Create the file with this content only if it does not exist, atomically; False if it did."""
+
+    @abstractmethod
+    def replace_file(self, name: str, filename: str, data: bytes) -> None:
+        """Write the file whole (readers see the old content or the new one, never a part)."""
+
+    @abstractmethod
+    def files(self, name: str) -> list[str]:
+        """The plain files in folder ``name`` (none if it does not exist)."""
+
+    @abstractmethod
+    def remove_file(self, name: str, filename: str) -> None: ...
+
 
 class LocalStorage(CheckpointStorage):
     def __init__(self, location: str) -> None:
@@ -266,6 +282,45 @@ class LocalStorage(CheckpointStorage):
                 f"choose another --checkpoint-dir or fix its permissions"
             ) from None
 
+    def create_exclusive(self, name: str, filename: str, data: bytes) -> bool:
+        # Written whole under a private name, then linked to the final one: link() fails if that exists
+        # (atomic on local disks and NFS alike), and no reader ever sees the file half-written.
+        folder = self.root / name
+        folder.mkdir(parents=True, exist_ok=True)
+        draft = folder / f"{TEMP_PREFIX}{filename}-{uuid.uuid4().hex[:8]}"
+        self._write_durably(draft, data)
+        try:
+            os.link(draft, folder / filename)
+            fsync_dir(folder)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            draft.unlink()
+
+    def replace_file(self, name: str, filename: str, data: bytes) -> None:
+        folder = self.root / name
+        draft = folder / f"{TEMP_PREFIX}{filename}-{uuid.uuid4().hex[:8]}"
+        self._write_durably(draft, data)
+        os.replace(draft, folder / filename)
+        fsync_dir(folder)
+
+    @staticmethod
+    def _write_durably(path: Path, data: bytes) -> None:
+        with open(path, "xb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    def files(self, name: str) -> list[str]:
+        folder = self.root / name
+        if not folder.is_dir():
+            return []
+        return [entry.name for entry in folder.iterdir() if entry.is_file() and not entry.name.startswith(TEMP_PREFIX)]
+
+    def remove_file(self, name: str, filename: str) -> None:
+        (self.root / name / filename).unlink(missing_ok=True)
+
 
 class FsspecStorage(CheckpointStorage):
     """Object stores have no atomic folder rename: the manifest, moved last and checked against the
@@ -317,6 +372,7 @@ class FsspecStorage(CheckpointStorage):
         # Manifest first: none at its old name either.
         paths = sorted(self.fs.ls(self._path(name), detail=False),
                        key=lambda path: path.endswith(f"/{MANIFEST}") == manifest_last)
+        self.fs.makedirs(self._path(new_name), exist_ok=True)  # file systems with folders do not make them in mv
         for path in paths:
             self.fs.mv(path, self._path(new_name, path.rsplit("/", 1)[-1]))
         if self.fs.exists(self._path(name)):  # stores without folders forget one with its last object
@@ -360,6 +416,30 @@ class FsspecStorage(CheckpointStorage):
             raise CheckpointError(
                 f"checkpoint location {self.location} is not writable ({error}); check the URL and credentials"
             ) from None
+
+    def create_exclusive(self, name: str, filename: str, data: bytes) -> bool:
+        # fsspec's exclusive mode: O_EXCL on local files, a conditional write (If-None-Match: *) in s3fs,
+        # checked as the upload completes, so the content is whole when the file appears.
+        self.fs.makedirs(self._path(name), exist_ok=True)
+        try:
+            with self.fs.open(self._path(name, filename), "xb") as handle:
+                handle.write(data)
+            return True
+        except FileExistsError:
+            return False
+
+    def replace_file(self, name: str, filename: str, data: bytes) -> None:
+        self.fs.pipe_file(self._path(name, filename), data)  # one object write: old or new, never a part
+
+    def files(self, name: str) -> list[str]:
+        if not self.fs.isdir(self._path(name)):
+            return []
+        entries = self.fs.ls(self._path(name), detail=True)
+        return [entry["name"].rsplit("/", 1)[-1] for entry in entries if entry["type"] == "file"]
+
+    def remove_file(self, name: str, filename: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self._path(name, filename))
 
 
 def _replaced_name(name: str) -> str | None:

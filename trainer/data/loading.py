@@ -120,8 +120,10 @@ def _read(spec: DatasetSpec, folder: Path) -> tuple[ImageTensorDataset, ImageTen
 
 
 def _agreed(runtime: Runtime, step: Callable[[], T]) -> T:
-    """Run step here, then agree: any rank's failure is raised on every rank, as a DataError."""
-    return agreed(runtime, step, DataError)
+    """Run step here, then agree: any rank's failure is raised on every rank, as a DataError. Each of these
+    steps (fetching, downloading, reading files) may take longer than --collective-timeout-s on some rank:
+    the others wait for it while it is alive (trainer.liveness)."""
+    return agreed(runtime, step, DataError, long_work="the dataset (fetched, downloaded or read on each node)")
 
 
 def _check_same_sizes(runtime: Runtime, train_size: int, test_size: int, data_dir: str, defaulted: bool) -> None:

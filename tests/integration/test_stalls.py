@@ -1,0 +1,118 @@
+"""Long work is not a lost peer, a stalled peer is named as one, and signals during a slow save: real
+processes, checkpoints on storage that writes slowly (tests/workers/slow_storage.py)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from tests.support.procs import REPO_ROOT, clean_env, free_port, kill_session, run, torchrun_command
+from trainer.checkpoint import open_storage, verify
+from trainer.errors import EXIT_PEER_LOST, EXIT_PREEMPTED
+
+TINY = ["--dataset", "synthetic", "--synthetic-train-size", "64", "--synthetic-test-size", "16", "--batch-size", "16",
+        "--progress", "off", "--no-tensorboard"]
+SLOW = "tests.workers.slow_storage"
+
+
+class Started:
+    """A process whose stderr is read as it comes, so that a test can wait for a line and then act."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str]) -> None:
+        self.process = subprocess.Popen(cmd, env=clean_env(env), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.lines.append(line)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for_line(self, text: str, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not any(text in line for line in self.lines):
+            assert self.process.poll() is None, f"ended before {text!r}: {self.stderr[-3000:]}"
+            assert time.monotonic() < deadline, f"no {text!r} in: {self.stderr[-3000:]}"
+            time.sleep(0.02)
+
+    def finish(self, timeout_s: float = 120) -> tuple[int, float]:
+        """The exit code and how long the process took to end from now."""
+        started = time.monotonic()
+        try:
+            code = self.process.wait(timeout=timeout_s)
+        finally:
+            kill_session(self.process)
+        self._reader.join(timeout=10)
+        return code, time.monotonic() - started
+
+
+def test_a_save_that_outlasts_the_collective_timeout_is_waited_for_not_taken_for_a_lost_peer(tmp_path):
+    # Rank 0 writes for 6 s; the other rank's collectives time out after 3 s, but it waits in the store
+    # while rank 0's heartbeat goes on.
+    cmd = torchrun_command(2, SLOW, [*TINY, "--epochs", "1", "--collective-timeout-s", "3", "--output-dir",
+                                     str(tmp_path), "--checkpoint-dir", f"slowfile://{tmp_path}/checkpoints"])
+    result = run(cmd, env={"SLOW_SAVE_S": "6"}, timeout_s=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "slow write started" in result.stderr and "step-00000002 written (0.4 MB in 6." in result.stderr
+
+
+def test_a_stalled_peer_is_named_as_stalled_and_the_job_exits_retryable(tmp_path):
+    port = free_port()
+    ranks = [Started([sys.executable, "-m", "trainer", *TINY, "--epochs", "100000", "--collective-timeout-s", "4",
+                      "--checkpoint-every", "1", "--output-dir", str(tmp_path)],
+                     {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+             for rank in (0, 1)]
+    try:
+        ranks[0].wait_for_line("checkpoint ")
+        ranks[1].process.send_signal(signal.SIGSTOP)  # alive, holding its sockets open, but silent
+        code, took_s = ranks[0].finish(timeout_s=60)
+    finally:
+        for started in ranks:
+            kill_session(started.process)
+    assert code == EXIT_PEER_LOST, ranks[0].stderr[-3000:]
+    error = ranks[0].stderr.strip().splitlines()[-1]
+    assert "timed out after 4s (--collective-timeout-s): rank 1 stopped responding (no heartbeat for 3s" in error, error
+    assert "stopped or frozen" in error and f"exiting with {EXIT_PEER_LOST}" in error and "Traceback" not in error
+    assert took_s < 4 + 3 + 20, took_s  # the timeout, the diagnosis, start-up slack: not a hang
+    for step in open_storage(str(tmp_path / "checkpoints")).list_checkpoints():
+        verify(open_storage(str(tmp_path / "checkpoints")), step)  # every checkpoint left is whole
+
+
+def test_the_grace_period_running_out_during_a_save_exits_retryable_and_keeps_the_last_checkpoint(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    started = Started([sys.executable, "-m", SLOW, *TINY, "--epochs", "100000", "--checkpoint-every", "1",
+                       "--grace-period-s", "2", "--output-dir", str(tmp_path), "--checkpoint-dir",
+                       f"slowfile://{checkpoints}"], {"SLOW_AFTER": "2", "SLOW_SAVE_S": "60"})
+    started.wait_for_line("slow write started")  # the third save hangs on the storage
+    started.process.send_signal(signal.SIGTERM)
+    code, took_s = started.finish(timeout_s=60)
+    assert code == EXIT_PREEMPTED and took_s < 2 + 5, (code, took_s, started.stderr[-3000:])
+    assert "grace period of 2s over before the checkpoint finished; exiting with 143" in started.stderr
+    storage = open_storage(str(checkpoints))
+    assert storage.list_checkpoints() == ["step-00000002", "step-00000001"]
+    assert verify(storage, "step-00000002").manifest["step"] == 2
+
+
+def test_a_second_signal_during_a_save_exits_at_once_keeping_the_last_checkpoint(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    started = Started([sys.executable, "-m", SLOW, *TINY, "--epochs", "100000", "--checkpoint-every", "1",
+                       "--grace-period-s", "60", "--output-dir", str(tmp_path), "--checkpoint-dir",
+                       f"slowfile://{checkpoints}"], {"SLOW_AFTER": "1", "SLOW_SAVE_S": "60"})
+    started.wait_for_line("slow write started")
+    started.process.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert started.process.poll() is None, "the first signal waits for the save (grace period 60 s)"
+    started.process.send_signal(signal.SIGINT)  # a person pressing Ctrl-C again
+    code, took_s = started.finish(timeout_s=30)
+    assert code == EXIT_PREEMPTED and took_s < 5, (code, took_s, started.stderr[-3000:])
+    assert "second SIGINT: exiting now without a new checkpoint" in started.stderr
+    assert open_storage(str(checkpoints)).list_checkpoints() == ["step-00000001"]

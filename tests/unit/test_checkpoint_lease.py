@@ -1,0 +1,123 @@
+"""The checkpoint folder's lease: one job at a time, the same job's restart and an expired or released lease
+let in at once, a race won by exactly one job, on local disks and through fsspec."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+
+from tests.support.checkpoints import state_at
+from trainer.checkpoint import CheckpointManager, Monitor, open_storage
+from trainer.checkpoint.lease import LEASE_FOLDER, CheckpointLease, Holder
+from trainer.config import CheckpointConfig, DistConfig
+from trainer.distributed import destroy_process_group, init_process_group
+from trainer.env import identity_from_env
+from trainer.errors import CheckpointError
+
+LOG = logging.getLogger("lease-test")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(params=["local", "fsspec"])
+def location(request: pytest.FixtureRequest, tmp_path) -> str:
+    # fsspec's local filesystem: the object-store code path (exclusive "xb" opens) on a real disk.
+    return str(tmp_path / "ckpt") if request.param == "local" else f"local://{tmp_path}/ckpt"
+
+
+def lease_for(location: str, job: str, clock: Clock | None = None, expires_after_s: float = 60.0) -> CheckpointLease:
+    return CheckpointLease(open_storage(location), job, f"host-{job}", expires_after_s, LOG, clock or Clock())
+
+
+def test_a_second_job_is_refused_naming_the_holder_and_the_ways_out(location):
+    lease_for(location, "job-a").take()
+    with pytest.raises(CheckpointError) as refused:
+        lease_for(location, "job-b").take()
+    message = str(refused.value)
+    assert "is in use by another job (job-a, rank 0 pid" in message and "on host-job-a" in message
+    assert "its lease expires in 60s, or pass --take-over-checkpoint-dir" in message
+
+
+def test_released_expired_or_same_job_leases_are_taken_at_once(location, caplog):
+    clock = Clock()
+    first = lease_for(location, "job-a", clock)
+    first.take()
+    first.release()
+    second = lease_for(location, "job-b", clock)
+    second.take()  # released: a sequential re-run
+    lease_for(location, "job-b", clock).take()  # a restart of the same job (torchrun, a requeue, a new pod)
+    clock.now += 61  # nobody renewed for longer than the expiry: a job killed without releasing
+    with caplog.at_level(logging.WARNING, logger="lease-test"):
+        lease_for(location, "job-c", clock).take()
+    assert "from job job-b on host-job-b, whose lease expired (not renewed for 61s)" in caplog.text
+    # Only the newest holder's file is kept.
+    assert open_storage(location).files(LEASE_FOLDER) == ["holder-00000004.json"]
+
+
+def test_renewal_keeps_a_lease_held_past_its_expiry(location):
+    clock = Clock()
+    holder = lease_for(location, "job-a", clock, expires_after_s=8)
+    holder.take()
+    for _ in range(5):
+        clock.now += 3
+        holder.renew()
+    with pytest.raises(CheckpointError, match="lease renewed 0s ago"):
+        lease_for(location, "job-b", clock, expires_after_s=8).take()
+
+
+def test_a_job_whose_lease_was_taken_over_stops_before_writing(location, runtime):
+    stalled = CheckpointManager(CheckpointConfig(), location, runtime, LOG, Monitor("accuracy", "max"))
+    stalled.prepare()
+    stalled.save(state_at(1))
+    taker = lease_for(location, "job-b")
+    taker.take(take_over=True)
+    with pytest.raises(CheckpointError, match=r"was taken over by job job-b on host-job-b .* stops without writing"):
+        stalled.save(state_at(2))
+    assert [name for name in open_storage(location).list_checkpoints()] == ["step-00000001"]
+    stalled.close()  # a lost lease is not released: the holder's file stays the taker's
+    with pytest.raises(CheckpointError, match="in use by another job .job-b"):
+        lease_for(location, "job-c").take()
+
+
+def test_of_many_jobs_racing_for_a_free_folder_exactly_one_wins(location):
+    racers = [lease_for(location, f"job-{index}") for index in range(8)]
+    start = threading.Barrier(len(racers))
+    outcomes: list[str] = []
+
+    def race(lease: CheckpointLease) -> None:
+        start.wait()
+        try:
+            lease.take()
+            outcomes.append("took")
+        except CheckpointError:
+            outcomes.append("refused")
+
+    threads = [threading.Thread(target=race, args=(lease,)) for lease in racers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(outcomes) == ["refused"] * 7 + ["took"]
+
+
+def test_a_lease_file_being_written_or_damaged_counts_as_held_until_taken_over(location):
+    assert Holder.from_bytes(b"{not json") is None and Holder.from_bytes(b'{"job": "a"}') is None
+    open_storage(location).create_exclusive(LEASE_FOLDER, "holder-00000001.json", b"")
+    with pytest.raises(CheckpointError, match="is being written or is damaged.*--take-over-checkpoint-dir"):
+        lease_for(location, "job-a").take()
+    lease_for(location, "job-a").take(take_over=True)
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    runtime = init_process_group(DistConfig(), identity_from_env({}), __import__("torch").device("cpu"))
+    yield runtime
+    destroy_process_group()

@@ -1,0 +1,197 @@
+"""One job per checkpoint folder: a lease that rank 0 takes at start, renews while training, releases at exit.
+
+Two jobs writing one folder destroy each other (each prunes the other's checkpoints and cleans away
+its unfinished saves, and ``--resume latest`` takes the other's state), so a second job is refused.
+"The same job" is what a launcher restarts, named by ``DistIdentity.job``: torchrun's run id at its
+agent's address, a Slurm job id (kept across requeues), a PyTorchJob's or Compose project's master
+address, or ``DDP_JOB_ID``. A restart of the same job takes the lease at once.
+
+The lease is a series of files ``.lease/holder-<generation>.json``; the newest generation is the holder.
+Taking it means creating the next generation's file, which exactly one of any number of racing jobs
+can do (an exclusive create: ``link()`` on local disks and NFS, a conditional write on S3). The holder
+rewrites its file every quarter of ``expires_after_s``; a lease not renewed for that long was left by
+a job that could not release it (SIGKILL, a lost node) and is free. Expiry compares the holder's clock
+with the taker's, so it assumes clocks that agree to within seconds (NTP); a job that finds its lease
+taken over (it was stalled longer than the expiry) stops before its next save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from trainer.checkpoint.storage import CheckpointStorage
+from trainer.errors import CheckpointError
+
+LEASE_FOLDER = ".lease"
+HOLDER_FILE = re.compile(r"^holder-(\d{8,})\.json$")
+TAKE_ATTEMPTS = 5
+
+
+def holder_file(generation: int) -> str:
+    return f"holder-{generation:08d}.json"
+
+
+@dataclass(frozen=True)
+class Holder:
+    """What a lease file says about the job that holds it."""
+
+    job: str
+    host: str
+    pid: int
+    renewed_unix: float
+    expires_after_s: float
+    released: bool = False
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self), indent=2).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Holder | None:
+        """None for a file that is not (yet) a holder record."""
+        try:
+            raw = json.loads(data)
+            return cls(str(raw["job"]), str(raw["host"]), int(raw["pid"]), float(raw["renewed_unix"]),
+                       float(raw["expires_after_s"]), bool(raw.get("released", False)))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+class CheckpointLease:
+    def __init__(self, storage: CheckpointStorage, job: str, host: str, expires_after_s: float,
+                 log: logging.Logger, clock: Callable[[], float] = time.time) -> None:
+        self.storage = storage
+        self.job = job
+        self.host = host
+        self.expires_after_s = expires_after_s
+        self.log = log
+        self.clock = clock
+        self.generation: int | None = None
+        self.lost_to: Holder | None = None
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+
+    # -- taking --------------------------------------------------------------------------------------------
+    def take(self, take_over: bool = False) -> None:
+        """Become the holder, or raise CheckpointError naming the job that holds the folder."""
+        for _ in range(TAKE_ATTEMPTS):
+            why: str | None = None
+            generations = self._generations()
+            newest = generations[-1] if generations else 0
+            current = self._read(newest) if newest else None
+            if newest and current is None and not take_over:
+                # Being written by a job taking it this instant (stores whose exclusive create shows the
+                # file before its content), or damaged: held either way, until taken over explicitly.
+                raise CheckpointError(f"checkpoint folder {self.storage.describe()} is in use by another job (its "
+                                      f"lease file {LEASE_FOLDER}/{holder_file(newest)} is being written or is "
+                                      f"damaged); if no other job uses the folder, pass --take-over-checkpoint-dir")
+            if current is not None:
+                why = self._why_free(current, take_over)
+                if why is None:
+                    raise CheckpointError(self._held_message(current))
+            if self.storage.create_exclusive(LEASE_FOLDER, holder_file(newest + 1), self._record().to_bytes()):
+                self.generation = newest + 1
+                if current is not None and why != "released":
+                    self.log.warning("took over the lease of checkpoint folder %s from %s", self.storage.describe(),
+                                     why)
+                for older in generations:
+                    with contextlib.suppress(OSError):
+                        self.storage.remove_file(LEASE_FOLDER, holder_file(older))
+                return
+            # Another job created that generation first: look again at who holds the folder now.
+        raise CheckpointError(f"checkpoint folder {self.storage.describe()}: other jobs keep taking its lease at the "
+                              f"same moment; start one job per --checkpoint-dir")
+
+    def _why_free(self, current: Holder, take_over: bool) -> str | None:
+        """Why this job may take the lease from ``current`` (for the log), or None if it may not."""
+        if current.released:
+            return "released"
+        if current.job == self.job:
+            return f"an earlier attempt of this job ({self.job})"
+        age = self.clock() - current.renewed_unix
+        if age > current.expires_after_s:
+            return f"job {current.job} on {current.host}, whose lease expired (not renewed for {age:.0f}s)"
+        if take_over:
+            return f"job {current.job} on {current.host} (--take-over-checkpoint-dir; renewed {age:.0f}s ago)"
+        return None
+
+    def _held_message(self, current: Holder) -> str:
+        age = max(0.0, self.clock() - current.renewed_unix)
+        left = max(0.0, current.expires_after_s - age)
+        return (f"checkpoint folder {self.storage.describe()} is in use by another job ({current.job}, rank 0 pid "
+                f"{current.pid} on {current.host}, lease renewed {age:.0f}s ago): two jobs in one folder delete each "
+                f"other's checkpoints. Wait for that job to finish, or give this one another --checkpoint-dir; if "
+                f"that job was killed, its lease expires in {left:.0f}s, or pass --take-over-checkpoint-dir")
+
+    # -- holding -------------------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise CheckpointError if another job has taken the lease (this one stalled past the expiry)."""
+        if self.generation is None:
+            return
+        if self.lost_to is None:
+            newer = [generation for generation in self._generations() if generation > self.generation]
+            if newer:
+                self.lost_to = self._read(newer[-1]) or Holder("(unreadable)", "?", 0, 0.0, 0.0)
+        if self.lost_to is not None:
+            raise CheckpointError(
+                f"checkpoint folder {self.storage.describe()} was taken over by job {self.lost_to.job} on "
+                f"{self.lost_to.host} while this job did not renew its lease (stalled for more than "
+                f"{self.expires_after_s:g}s); this job stops without writing there. Restart it with another "
+                f"--checkpoint-dir, or once the other job is done")
+
+    def renew(self) -> None:
+        self.check()
+        assert self.generation is not None
+        self.storage.replace_file(LEASE_FOLDER, holder_file(self.generation), self._record().to_bytes())
+
+    def start_renewing(self) -> None:
+        """Renew from a background thread every quarter of the expiry, until release()."""
+        self._renewer = threading.Thread(target=self._renew_until_stopped, name="checkpoint-lease", daemon=True)
+        self._renewer.start()
+
+    def _renew_until_stopped(self) -> None:
+        while not self._stop.wait(self.expires_after_s / 4):
+            try:
+                self.renew()
+            except CheckpointError as problem:
+                self.log.error("%s", problem)
+                return
+            except OSError as error:  # a storage hiccup: the next renewal may work, well before expiry
+                self.log.warning("could not renew the lease of %s: %s", self.storage.describe(), error)
+
+    def release(self) -> None:
+        """Mark the lease free, so that the next job starts at once (a run that resumes this one's work)."""
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join()
+        if self.generation is None:
+            return
+        try:
+            self.check()
+            self.storage.replace_file(LEASE_FOLDER, holder_file(self.generation),
+                                      self._record(released=True).to_bytes())
+        except (CheckpointError, OSError) as problem:
+            self.log.warning("lease of %s not released (%s); it expires %gs after its last renewal",
+                             self.storage.describe(), problem, self.expires_after_s)
+        self.generation = None
+
+    # -- files ---------------------------------------------------------------------------------------------
+    def _record(self, released: bool = False) -> Holder:
+        return Holder(self.job, self.host, os.getpid(), self.clock(), self.expires_after_s, released)
+
+    def _generations(self) -> list[int]:
+        found = (HOLDER_FILE.match(name) for name in self.storage.files(LEASE_FOLDER))
+        return sorted(int(match.group(1)) for match in found if match)
+
+    def _read(self, generation: int) -> Holder | None:
+        try:
+            return Holder.from_bytes(self.storage.read(LEASE_FOLDER, holder_file(generation)))
+        except FileNotFoundError:
+            return None

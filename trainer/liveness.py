@@ -1,0 +1,173 @@
+"""Telling a busy peer from a stalled one: each rank's heartbeat in the job's store, and waits for long work.
+
+A collective waits at most ``--collective-timeout-s`` for every rank. That bound is wrong for known long
+work on some ranks (rank 0 writing a checkpoint to slow storage, one rank per node downloading data):
+the others would give up on a peer that is working. So such work ends in ``wait_for_all``, which waits
+in the store as long as the working ranks' heartbeats go on, and fails only when one of them has been
+silent for ``--collective-timeout-s``. A heartbeat is written by a thread of its own: it stops when the
+whole process stops (SIGSTOP, a frozen VM, swapping to death), not while the main thread is busy.
+
+When a collective itself times out, ``diagnose`` reads the heartbeats to say which rank was late and
+whether it is stalled (silent) or alive but elsewhere (another step, other work).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from trainer.env import DistIdentity
+from trainer.errors import PeerLost
+
+__all__ = ["Liveness"]
+
+HEARTBEAT_EVERY_S = 1.0
+HEARTBEAT_KEY = "ddp-deploy/heartbeat/"
+DONE_KEY = "ddp-deploy/done/"
+# A diagnosis after a timeout watches the heartbeats this long: several beats, so a silent rank is stalled.
+DIAGNOSIS_WATCH_S = 3.0
+STORE_READ_TIMEOUT_S = 5.0
+
+
+@dataclass
+class Beat:
+    """One rank's heartbeat as read from the store."""
+
+    count: int
+    step: int
+    doing: str
+
+    @classmethod
+    def parse(cls, raw: bytes) -> Beat:
+        count, step, doing = raw.decode().split(" ", 2)
+        return cls(int(count), int(step), doing)
+
+
+class Liveness:
+    def __init__(self, store: dist.Store, identity: DistIdentity, silent_after_s: float) -> None:
+        self.identity = identity
+        self.silent_after_s = silent_after_s
+        self.step = 0
+        self.doing = "starting"
+        self._store = store.clone()  # the main thread's own connection (the heartbeat thread has another)
+        self._store.set_timeout(timedelta(seconds=STORE_READ_TIMEOUT_S))
+        self._beater_store = store.clone()
+        self._stop = threading.Event()
+        self._count = 0
+        self._rounds = 0
+        self._beat()  # at once: a peer that looks before the first interval finds one
+        self._thread = threading.Thread(target=self._beat_until_stopped, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=STORE_READ_TIMEOUT_S)
+
+    # -- this rank -----------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def busy(self, doing: str) -> Iterator[None]:
+        """Name what this rank is doing while it does it (shown to peers that wait for it)."""
+        before, self.doing = self.doing, doing
+        try:
+            yield
+        finally:
+            self.doing = before
+
+    def _beat(self) -> None:
+        self._count += 1
+        # One word-separated value: the step and the doing are read at once with the count.
+        self._beater_store.set(f"{HEARTBEAT_KEY}{self.identity.rank}", f"{self._count} {self.step} {self.doing}")
+
+    def _beat_until_stopped(self) -> None:
+        while not self._stop.wait(HEARTBEAT_EVERY_S):
+            try:
+                self._beat()
+            except (RuntimeError, OSError):
+                return  # the store is gone (rank 0 ended or died): the main thread will find out in its own way
+
+    # -- the others ----------------------------------------------------------------------------------------
+    def wait_for_all(self, what: str) -> None:
+        """Every rank calls this after its part of ``what`` (long on some ranks); returns when all have.
+
+        Waits as long as the ranks not done yet keep beating; raises PeerLost naming a rank silent for
+        ``silent_after_s``. Every rank calls it the same number of times in the same order.
+        """
+        self._rounds += 1
+        prefix = f"{DONE_KEY}{self._rounds}/"
+        self._store.set(f"{prefix}{self.identity.rank}", "1")
+        pending = [rank for rank in range(self.identity.world_size) if rank != self.identity.rank]
+        watch = _Watch(self, pending)
+        delay = 0.005
+        while pending:
+            pending = [rank for rank in pending if not self._store.check([f"{prefix}{rank}"])]
+            if not pending:
+                break
+            silent = watch.silent(pending, self.silent_after_s)
+            if silent:
+                rank, beat = silent[0]
+                raise PeerLost(f"rank {rank} stopped responding while the others waited for {what}: no heartbeat "
+                               f"for {self.silent_after_s:g}s (--collective-timeout-s), last at step {beat.step} "
+                               f"while {beat.doing}; the process is stopped or frozen (SIGSTOP, swapping, a hung "
+                               f"file system) or its machine is gone")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.25)
+
+    def diagnose(self, timeout_s: float) -> str:
+        """After a collective timed out: which ranks were late, and whether they are stalled or elsewhere."""
+        others = [rank for rank in range(self.identity.world_size) if rank != self.identity.rank]
+        try:
+            watch = _Watch(self, others)
+            time.sleep(DIAGNOSIS_WATCH_S)
+            silent = dict(watch.silent(others, DIAGNOSIS_WATCH_S - 0.5))
+            beats = watch.read(others)
+        except (RuntimeError, OSError):
+            return (f"a collective timed out after {timeout_s:g}s (--collective-timeout-s), and rank 0, which hosts "
+                    f"the job's store, does not answer either: it is stopped, frozen or gone")
+        late = []
+        for rank in others:
+            beat = silent.get(rank) or beats.get(rank)
+            if rank in silent:
+                late.append(f"rank {rank} stopped responding (no heartbeat for {DIAGNOSIS_WATCH_S:g}s, last at step "
+                            f"{beat.step} while {beat.doing}: stopped or frozen, e.g. SIGSTOP, swapping, a hung "
+                            f"file system)")
+            elif beat is not None and (beat.step != self.step or beat.doing != self.doing):
+                late.append(f"rank {rank} is alive but at step {beat.step}, {beat.doing}")
+        where = "; ".join(late) or "every rank is alive and at the same step (a network problem between them?)"
+        return (f"a collective at step {self.step} timed out after {timeout_s:g}s (--collective-timeout-s): "
+                f"{where}")
+
+
+class _Watch:
+    """When each rank's heartbeat last changed, as seen from here (no clocks compared between machines)."""
+
+    def __init__(self, liveness: Liveness, ranks: list[int]) -> None:
+        self.liveness = liveness
+        self.seen: dict[int, tuple[Beat | None, float]] = {}
+        self.read(ranks)
+
+    def read(self, ranks: list[int]) -> dict[int, Beat]:
+        beats = {}
+        now = time.monotonic()
+        store = self.liveness._store
+        for rank in ranks:
+            key = f"{HEARTBEAT_KEY}{rank}"
+            beat = Beat.parse(store.get(key)) if store.check([key]) else None
+            previous = self.seen.get(rank)
+            if previous is None or previous[0] != beat:
+                self.seen[rank] = (beat, now)
+            if beat is not None:
+                beats[rank] = beat
+        return beats
+
+    def silent(self, ranks: list[int], for_s: float) -> list[tuple[int, Beat]]:
+        """The ranks whose heartbeat has not changed for ``for_s`` seconds, with their last beat."""
+        self.read(ranks)
+        now = time.monotonic()
+        return [(rank, beat or Beat(0, 0, "starting")) for rank in ranks
+                for beat, since in [self.seen[rank]] if now - since > for_s]
