@@ -50,9 +50,11 @@ class Beat:
 
 
 class Liveness:
-    def __init__(self, store: dist.Store, identity: DistIdentity, silent_after_s: float) -> None:
+    def __init__(self, store: dist.Store, identity: DistIdentity, silent_after_s: float,
+                 beat_every_s: float = HEARTBEAT_EVERY_S) -> None:
         self.identity = identity
         self.silent_after_s = silent_after_s
+        self.beat_every_s = beat_every_s
         self.step = 0
         self.doing = "starting"
         self._store = store.clone()  # the main thread's own connection (the heartbeat thread has another)
@@ -85,7 +87,7 @@ class Liveness:
         self._beater_store.set(f"{HEARTBEAT_KEY}{self.identity.rank}", f"{self._count} {self.step} {self.doing}")
 
     def _beat_until_stopped(self) -> None:
-        while not self._stop.wait(HEARTBEAT_EVERY_S):
+        while not self._stop.wait(self.beat_every_s):
             try:
                 self._beat()
             except (RuntimeError, OSError):
@@ -118,13 +120,14 @@ class Liveness:
             time.sleep(delay)
             delay = min(delay * 2, 0.25)
 
-    def diagnose(self, timeout_s: float) -> str:
-        """After a collective timed out: which ranks were late, and whether they are stalled or elsewhere."""
+    def diagnose(self, timeout_s: float, watch_s: float = DIAGNOSIS_WATCH_S) -> str:
+        """After a collective timed out: which ranks were late, and whether they are stalled or elsewhere
+        (their heartbeats watched for ``watch_s``, several beats)."""
         others = [rank for rank in range(self.identity.world_size) if rank != self.identity.rank]
         try:
             watch = _Watch(self, others)
-            time.sleep(DIAGNOSIS_WATCH_S)
-            silent = dict(watch.silent(others, DIAGNOSIS_WATCH_S - 0.5))
+            time.sleep(watch_s)
+            silent = dict(watch.silent(others, watch_s - self.beat_every_s / 2))
             beats = watch.read(others)
         except (RuntimeError, OSError):
             return (f"a collective timed out after {timeout_s:g}s (--collective-timeout-s), and rank 0, which hosts "
@@ -133,7 +136,7 @@ class Liveness:
         for rank in others:
             beat = silent.get(rank) or beats.get(rank)
             if rank in silent:
-                late.append(f"rank {rank} stopped responding (no heartbeat for {DIAGNOSIS_WATCH_S:g}s, last at step "
+                late.append(f"rank {rank} stopped responding (no heartbeat for {watch_s:g}s, last at step "
                             f"{beat.step} while {beat.doing}: stopped or frozen, e.g. SIGSTOP, swapping, a hung "
                             f"file system)")
             elif beat is not None and (beat.step != self.step or beat.doing != self.doing):
