@@ -7,7 +7,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, NoReturn, TypeVar
@@ -36,6 +36,10 @@ class Runtime:
     device: torch.device
     backend: str
     liveness: Liveness | None = None  # heartbeats, where there are peers to watch
+
+    def busy(self, doing: str) -> AbstractContextManager[None]:
+        """Name this rank's work in its heartbeat, for the ranks that wait for it (trainer.liveness)."""
+        return self.liveness.busy(doing) if self.liveness is not None else nullcontext()
 
     def wait_for_all(self, what: str) -> None:
         """The end of long work on some ranks (trainer.liveness): waits for peers that are alive, however long."""

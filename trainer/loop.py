@@ -110,6 +110,8 @@ class Trainer:
         train_size = len(setup.train_sampler.dataset)
         result: Metrics | None = None
         checked = primed = False
+        if runtime.liveness is not None:
+            runtime.liveness.doing = "training"  # what this rank's heartbeat tells a peer that waits for it
         while self.position.epoch < config.train.epochs and not self._reached_max_steps():
             epoch = self.position.epoch
             setup.train_sampler.set_epoch(epoch, start_sample=self.position.samples_in_epoch)
@@ -211,7 +213,9 @@ class Trainer:
 
     def _evaluate(self, epoch: int) -> Metrics:
         setup = self.setup
-        result = evaluate(setup.model, setup.eval_loader, setup.task, self.eval_metrics, self.runtime, setup.autocast)
+        with self.runtime.busy("evaluating"):
+            result = evaluate(setup.model, setup.eval_loader, setup.task, self.eval_metrics, self.runtime,
+                              setup.autocast)
         agreed(self.runtime, lambda: self.metrics.write("test", self.position.step, {**result, "epoch": epoch + 1}),
                OutputError)
         if self.runtime.is_main:

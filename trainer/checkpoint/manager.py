@@ -6,7 +6,6 @@ one (no manifest, wrong size or checksum, unreadable) is reported and skipped, n
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import logging
@@ -242,7 +241,7 @@ class CheckpointManager:
                 self._writer.start()
             else:
                 try:
-                    with self._busy(f"writing checkpoint {name}"):
+                    with self.runtime.busy(f"writing checkpoint {name}"):
                         self._write(name, raw, described)
                 except CheckpointError as problem:
                     error = str(problem)
@@ -341,10 +340,6 @@ class CheckpointManager:
                 self.storage.remove(name)
             except OSError as error:
                 self.log.warning("could not remove old checkpoint %s: %s", self.storage.describe(name), error)
-
-    def _busy(self, doing: str) -> contextlib.AbstractContextManager[None]:
-        """What rank 0's heartbeat tells the ranks that wait for it."""
-        return self.runtime.liveness.busy(doing) if self.runtime.liveness is not None else contextlib.nullcontext()
 
     def _check_lease(self) -> None:
         if self.lease is not None:
