@@ -121,3 +121,22 @@ def runtime():
     runtime = init_process_group(DistConfig(), identity_from_env({}), __import__("torch").device("cpu"))
     yield runtime
     destroy_process_group()
+
+
+def test_a_link_or_a_folder_in_place_of_a_lease_file_is_held_until_taken_over(tmp_path, runtime):
+    (tmp_path / LEASE_FOLDER).mkdir(parents=True)
+    (tmp_path / LEASE_FOLDER / "holder-00000001.json").mkdir()
+    (tmp_path / LEASE_FOLDER / "holder-00000002.json").symlink_to("/etc/hostname")
+    manager = CheckpointManager(CheckpointConfig(), str(tmp_path), runtime, LOG, Monitor("accuracy", "max"))
+    with pytest.raises(CheckpointError, match="lease file .lease/holder-00000002.json is being written or is damaged"):
+        manager.prepare()
+    CheckpointManager(CheckpointConfig(take_over_checkpoint_dir=True), str(tmp_path), runtime, LOG,
+                      Monitor("accuracy", "max")).prepare()
+    assert (tmp_path / LEASE_FOLDER / "holder-00000003.json").is_file()
+
+
+def test_a_lease_that_cannot_be_written_is_one_clear_error(tmp_path, runtime):
+    (tmp_path / LEASE_FOLDER).write_text("a file where the lease's folder goes")
+    manager = CheckpointManager(CheckpointConfig(), str(tmp_path), runtime, LOG, Monitor("accuracy", "max"))
+    with pytest.raises(CheckpointError, match=r"cannot take the lease of checkpoint folder .*\(File exists\); fix"):
+        manager.prepare()

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from trainer.checkpoint.storage import CheckpointStorage
+from trainer.checkpoint.storage import CheckpointStorage, NotAFile
 from trainer.errors import CheckpointError
 
 LEASE_FOLDER = ".lease"
@@ -193,5 +193,5 @@ class CheckpointLease:
     def _read(self, generation: int) -> Holder | None:
         try:
             return Holder.from_bytes(self.storage.read(LEASE_FOLDER, holder_file(generation)))
-        except FileNotFoundError:
-            return None
+        except (FileNotFoundError, NotAFile):
+            return None  # gone (taken over meanwhile), or a link or a folder: no holder record either way

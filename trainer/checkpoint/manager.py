@@ -165,7 +165,12 @@ class CheckpointManager:
                 identity = self.runtime.identity
                 lease = CheckpointLease(self.storage, identity.job, identity.hostname, self.config.lease_expiry_s,
                                         self.log)
-                lease.take(take_over=self.config.take_over_checkpoint_dir)
+                try:
+                    lease.take(take_over=self.config.take_over_checkpoint_dir)
+                except OSError as problem:
+                    raise CheckpointError(f"cannot take the lease of checkpoint folder {self.storage.describe()} "
+                                          f"({problem.strerror or problem}); fix its permissions or choose another "
+                                          f"--checkpoint-dir") from None
                 self.lease = lease
                 lease.start_renewing()
                 for stale in self.storage.remove_temporaries():

@@ -195,7 +195,7 @@ class CheckpointStorage(ABC):
 
     @abstractmethod
     def files(self, name: str) -> list[str]:
-        """The plain files in folder ``name`` (none if it does not exist)."""
+        """The names in folder ``name``, temporaries left out (none if it does not exist)."""
 
     @abstractmethod
     def remove_file(self, name: str, filename: str) -> None: ...
@@ -316,7 +316,8 @@ class LocalStorage(CheckpointStorage):
         folder = self.root / name
         if not folder.is_dir():
             return []
-        return [entry.name for entry in folder.iterdir() if entry.is_file() and not entry.name.startswith(TEMP_PREFIX)]
+        # Whatever the entry is: a folder or a link under a file's name is for the caller to refuse, not to miss.
+        return [entry.name for entry in folder.iterdir() if not entry.name.startswith(TEMP_PREFIX)]
 
     def remove_file(self, name: str, filename: str) -> None:
         (self.root / name / filename).unlink(missing_ok=True)
