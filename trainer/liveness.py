@@ -14,11 +14,13 @@ whether it is stalled (silent) or alive but elsewhere (another step, other work)
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -33,6 +35,11 @@ DONE_KEY = "ddp-deploy/done/"
 # A diagnosis after a timeout watches the heartbeats this long: several beats, so a silent rank is stalled.
 DIAGNOSIS_WATCH_S = 3.0
 STORE_READ_TIMEOUT_S = 5.0
+T = TypeVar("T")
+
+
+class StoreSilent(PeerLost):
+    """The job's store (on rank 0) did not answer a read in time."""
 
 
 @dataclass
@@ -94,6 +101,29 @@ class Liveness:
                 return  # the store is gone (rank 0 ended or died): the main thread will find out in its own way
 
     # -- the others ----------------------------------------------------------------------------------------
+    def _answer(self, call: Callable[[], T]) -> T:
+        """A read of the job's store, bounded: a store whose host is stopped (SIGSTOP) keeps the connection
+        open and never answers, and TCPStore's check() waits for ever. Read in a daemon thread, given up on
+        after STORE_READ_TIMEOUT_S (the thread, stuck, ends with the process)."""
+        outcome: list[Any] = []
+
+        def read() -> None:
+            try:
+                outcome.append((True, call()))
+            except Exception as error:  # noqa: BLE001 - handed to the caller's thread as it is
+                outcome.append((False, error))
+
+        reader = threading.Thread(target=read, name="store-read", daemon=True)
+        reader.start()
+        reader.join(STORE_READ_TIMEOUT_S)
+        if not outcome:
+            raise StoreSilent(f"rank 0, which hosts the job's store, did not answer for {STORE_READ_TIMEOUT_S:g}s: "
+                              f"it is stopped, frozen or gone")
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value  # type: ignore[no-any-return]
+
     def wait_for_all(self, what: str) -> None:
         """Every rank calls this after its part of ``what`` (long on some ranks); returns when all have.
 
@@ -102,23 +132,29 @@ class Liveness:
         """
         self._rounds += 1
         prefix = f"{DONE_KEY}{self._rounds}/"
-        self._store.set(f"{prefix}{self.identity.rank}", "1")
         pending = [rank for rank in range(self.identity.world_size) if rank != self.identity.rank]
-        watch = _Watch(self, pending)
-        delay = 0.005
-        while pending:
-            pending = [rank for rank in pending if not self._store.check([f"{prefix}{rank}"])]
-            if not pending:
-                break
-            silent = watch.silent(pending, self.silent_after_s)
-            if silent:
-                rank, beat = silent[0]
-                raise PeerLost(f"rank {rank} stopped responding while the others waited for {what}: no heartbeat "
-                               f"for {self.silent_after_s:g}s (--collective-timeout-s), last at step {beat.step} "
-                               f"while {beat.doing}; the process is stopped or frozen (SIGSTOP, swapping, a hung "
-                               f"file system) or its machine is gone")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.25)
+        try:
+            self._answer(functools.partial(self._store.set, f"{prefix}{self.identity.rank}", "1"))
+            watch = _Watch(self, pending)
+            delay = 0.005
+            while pending:
+                pending = self._answer(functools.partial(self._not_done, prefix, pending))
+                if not pending:
+                    break
+                silent = watch.silent(pending, self.silent_after_s)
+                if silent:
+                    rank, beat = silent[0]
+                    raise PeerLost(f"rank {rank} stopped responding while the others waited for {what}: no "
+                                   f"heartbeat for {self.silent_after_s:g}s (--collective-timeout-s), last at step "
+                                   f"{beat.step} while {beat.doing}; the process is stopped or frozen (SIGSTOP, "
+                                   f"swapping, a hung file system) or its machine is gone")
+                time.sleep(delay)
+                delay = min(delay * 2, 0.25)
+        except StoreSilent as silent_store:
+            raise StoreSilent(f"{silent_store} (while the others waited for {what})") from None
+
+    def _not_done(self, prefix: str, ranks: list[int]) -> list[int]:
+        return [rank for rank in ranks if not self._store.check([f"{prefix}{rank}"])]
 
     def diagnose(self, timeout_s: float, watch_s: float = DIAGNOSIS_WATCH_S) -> str:
         """After a collective timed out: which ranks were late, and whether they are stalled or elsewhere
@@ -129,7 +165,7 @@ class Liveness:
             time.sleep(watch_s)
             silent = dict(watch.silent(others, watch_s - self.beat_every_s / 2))
             beats = watch.read(others)
-        except (RuntimeError, OSError):
+        except (StoreSilent, RuntimeError, OSError):
             return (f"a collective timed out after {timeout_s:g}s (--collective-timeout-s), and rank 0, which hosts "
                     f"the job's store, does not answer either: it is stopped, frozen or gone")
         late = []
@@ -157,16 +193,20 @@ class _Watch:
     def read(self, ranks: list[int]) -> dict[int, Beat]:
         beats = {}
         now = time.monotonic()
-        store = self.liveness._store
+        found = self.liveness._answer(functools.partial(self._beats_of, ranks))
         for rank in ranks:
-            key = f"{HEARTBEAT_KEY}{rank}"
-            beat = Beat.parse(store.get(key)) if store.check([key]) else None
+            beat = found[rank]
             previous = self.seen.get(rank)
             if previous is None or previous[0] != beat:
                 self.seen[rank] = (beat, now)
             if beat is not None:
                 beats[rank] = beat
         return beats
+
+    def _beats_of(self, ranks: list[int]) -> dict[int, Beat | None]:
+        store = self.liveness._store
+        keys = {rank: f"{HEARTBEAT_KEY}{rank}" for rank in ranks}
+        return {rank: Beat.parse(store.get(key)) if store.check([key]) else None for rank, key in keys.items()}
 
     def silent(self, ranks: list[int], for_s: float) -> list[tuple[int, Beat]]:
         """The ranks whose heartbeat has not changed for ``for_s`` seconds, with their last beat."""

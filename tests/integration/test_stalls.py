@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 from tests.support.procs import REPO_ROOT, clean_env, free_port, kill_session, run, torchrun_command
 from trainer.checkpoint import open_storage, verify
@@ -65,26 +66,46 @@ def test_a_save_that_outlasts_the_collective_timeout_is_waited_for_not_taken_for
     assert "slow write started" in result.stderr and "step-00000002 written (0.4 MB in 6." in result.stderr
 
 
-def test_a_stalled_peer_is_named_as_stalled_and_the_job_exits_retryable(tmp_path):
+def two_ranks(tmp_path: Path, collective_timeout_s: int) -> list[Started]:
+    """Two plain ranks training for ever, a checkpoint every step."""
     port = free_port()
-    ranks = [Started([sys.executable, "-m", "trainer", *TINY, "--epochs", "100000", "--collective-timeout-s", "4",
-                      "--checkpoint-every", "1", "--output-dir", str(tmp_path)],
-                     {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-             for rank in (0, 1)]
+    return [Started([sys.executable, "-m", "trainer", *TINY, "--epochs", "100000", "--collective-timeout-s",
+                     str(collective_timeout_s), "--checkpoint-every", "1", "--output-dir", str(tmp_path)],
+                    {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+            for rank in (0, 1)]
+
+
+def stop_one_and_wait_for_the_other(ranks: list[Started], stopped: int) -> tuple[str, float]:
+    """SIGSTOP rank ``stopped`` (alive, its sockets open, silent) once training runs; the other's error line
+    once it exited 200, and how long that took."""
+    waiting = ranks[1 - stopped]
     try:
         ranks[0].wait_for_line("checkpoint ")
-        ranks[1].process.send_signal(signal.SIGSTOP)  # alive, holding its sockets open, but silent
-        code, took_s = ranks[0].finish(timeout_s=60)
+        ranks[stopped].process.send_signal(signal.SIGSTOP)
+        code, took_s = waiting.finish(timeout_s=60)
     finally:
         for started in ranks:
             kill_session(started.process)
-    assert code == EXIT_PEER_LOST, ranks[0].stderr[-3000:]
-    error = ranks[0].stderr.strip().splitlines()[-1]
+    assert code == EXIT_PEER_LOST, waiting.stderr[-3000:]
+    error = waiting.stderr.strip().splitlines()[-1]
+    assert f"exiting with {EXIT_PEER_LOST}" in error and "Traceback" not in waiting.stderr, waiting.stderr[-3000:]
+    return error, took_s
+
+
+def test_a_stalled_peer_is_named_as_stalled_and_the_job_exits_retryable(tmp_path):
+    error, took_s = stop_one_and_wait_for_the_other(two_ranks(tmp_path, 4), stopped=1)
     assert "timed out after 4s (--collective-timeout-s): rank 1 stopped responding (no heartbeat for 3s" in error, error
-    assert "stopped or frozen" in error and f"exiting with {EXIT_PEER_LOST}" in error and "Traceback" not in error
+    assert "stopped or frozen" in error
     assert took_s < 4 + 3 + 20, took_s  # the timeout, the diagnosis, start-up slack: not a hang
     for step in open_storage(str(tmp_path / "checkpoints")).list_checkpoints():
         verify(open_storage(str(tmp_path / "checkpoints")), step)  # every checkpoint left is whole
+
+
+def test_a_stalled_rank_0_which_hosts_the_store_is_named_too_without_a_hang(tmp_path):
+    error, took_s = stop_one_and_wait_for_the_other(two_ranks(tmp_path, 4), stopped=0)
+    assert "timed out after 4s (--collective-timeout-s), and rank 0, which hosts the job's store, does not " \
+           "answer either: it is stopped, frozen or gone" in error, error
+    assert took_s < 4 + 5 + 20, took_s  # the timeout, one store read's timeout, slack
 
 
 def test_the_grace_period_running_out_during_a_save_exits_retryable_and_keeps_the_last_checkpoint(tmp_path):
