@@ -143,6 +143,7 @@ def train(config: Config, spec: TaskSpec, runtime: Runtime) -> dict[str, object]
     watcher = PreemptionWatcher(config.checkpoint.grace_period_s, runtime.device, log)
     watcher.install()  # before the slow parts, so an early SIGTERM is not lost
     checkpoints = CheckpointManager(config.checkpoint, config.checkpoint_dir, runtime, log, Monitor(*spec.monitor))
+    watcher.before_forced_exit = checkpoints.release_lease
     try:
         result, trainer = _prepare_and_fit(config, spec, runtime, checkpoints, watcher, log, shown_config)
     except RuntimeError as error:

@@ -7,12 +7,15 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
 
 import torch
 
 from trainer.distributed import any_rank
 from trainer.errors import EXIT_PREEMPTED
+
+FORCED_EXIT_CLEANUP_S = 2.0
 
 
 class PreemptionWatcher:
@@ -28,6 +31,9 @@ class PreemptionWatcher:
         self.device = device
         self.log = log
         self.signal_received: int | None = None
+        # Run (for at most FORCED_EXIT_CLEANUP_S) before exiting without a checkpoint: the checkpoint
+        # folder's lease is released, so the next job need not wait for it to expire.
+        self.before_forced_exit: Callable[[], None] | None = None
         self._previous: dict[int, object] = {}
         self._deadline_timer: threading.Timer | None = None
 
@@ -45,7 +51,7 @@ class PreemptionWatcher:
         if self.signal_received is not None:
             # A second signal is a person insisting (Ctrl-C twice): stop now; saves are atomic.
             self.log.error("second %s: exiting now without a new checkpoint", signal.Signals(signum).name)
-            os._exit(EXIT_PREEMPTED)
+            self._exit_now()
         self.signal_received = signum
         self._deadline_timer = threading.Timer(self.grace_period_s, self._grace_period_over)
         self._deadline_timer.daemon = True
@@ -54,6 +60,14 @@ class PreemptionWatcher:
     def _grace_period_over(self) -> None:
         self.log.error("grace period of %.0fs over before the checkpoint finished; exiting with %d, the previous "
                        "checkpoint stays valid", self.grace_period_s, EXIT_PREEMPTED)
+        self._exit_now()
+
+    def _exit_now(self) -> None:
+        if self.before_forced_exit is not None:
+            # In a thread of its own, bounded: the storage may be what hangs.
+            cleanup = threading.Thread(target=self.before_forced_exit, name="forced-exit-cleanup", daemon=True)
+            cleanup.start()
+            cleanup.join(FORCED_EXIT_CLEANUP_S)
         logging.shutdown()
         os._exit(EXIT_PREEMPTED)
 

@@ -121,6 +121,10 @@ def test_the_grace_period_running_out_during_a_save_exits_retryable_and_keeps_th
     storage = open_storage(str(checkpoints))
     assert storage.list_checkpoints() == ["step-00000002", "step-00000001"]
     assert verify(storage, "step-00000002").manifest["step"] == 2
+    # Its lease was released on the way out: the next job on the folder starts at once and resumes.
+    again = run([sys.executable, "-m", SLOW, *TINY, "--epochs", "100000", "--max-steps", "3", "--output-dir",
+                 str(tmp_path), "--checkpoint-dir", f"slowfile://{checkpoints}"], env={"SLOW_SAVE_S": "0"})
+    assert again.returncode == 0 and "resumed from slowfile://" in again.stderr, again.stderr[-3000:]
 
 
 def test_a_second_signal_during_a_save_exits_at_once_keeping_the_last_checkpoint(tmp_path):

@@ -257,13 +257,17 @@ class CheckpointManager:
         """Wait for a background write and make its failure every rank's error."""
         self._raise_everywhere(self._wait_for_writer())
 
+    def release_lease(self) -> None:
+        """Release the folder's lease now, without waiting for a save in progress (an exit without one)."""
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+
     def close(self) -> None:
         """Release the folder's lease (on rank 0; local, no collective): the next job may start at once."""
         if self._writer is not None:
             self._writer.join()  # a save still being written belongs to this job's time in the folder
-        if self.lease is not None:
-            self.lease.release()
-            self.lease = None
+        self.release_lease()
 
     def _snapshot(self, state: Any, path: str = "") -> Any:
         """Copy tensors into CPU buffers kept between saves (copy_ into a preallocated tensor is several
