@@ -34,7 +34,7 @@ HEARTBEAT_KEY = "ddp-deploy/heartbeat/"
 DONE_KEY = "ddp-deploy/done/"
 # A diagnosis after a timeout watches the heartbeats this long: several beats, so a silent rank is stalled.
 DIAGNOSIS_WATCH_S = 3.0
-STORE_READ_TIMEOUT_S = 5.0
+STORE_READ_TIMEOUT_S = 5.0  # the least time a store read is given (more where --collective-timeout-s is more)
 T = TypeVar("T")
 
 
@@ -104,7 +104,7 @@ class Liveness:
     def _answer(self, call: Callable[[], T]) -> T:
         """A read of the job's store, bounded: a store whose host is stopped (SIGSTOP) keeps the connection
         open and never answers, and TCPStore's check() waits for ever. Read in a daemon thread, given up on
-        after STORE_READ_TIMEOUT_S (the thread, stuck, ends with the process)."""
+        after ``silent_after_s`` (the thread, stuck, ends with the process)."""
         outcome: list[Any] = []
 
         def read() -> None:
@@ -115,10 +115,13 @@ class Liveness:
 
         reader = threading.Thread(target=read, name="store-read", daemon=True)
         reader.start()
-        reader.join(STORE_READ_TIMEOUT_S)
+        # As long as a silent peer is given, and never less than a few seconds: 8 ranks on 2 cores can keep
+        # rank 0's store from answering for seconds (a false "stopped" there failed whole jobs).
+        deadline_s = max(self.silent_after_s, STORE_READ_TIMEOUT_S)
+        reader.join(deadline_s)
         if not outcome:
-            raise StoreSilent(f"rank 0, which hosts the job's store, did not answer for {STORE_READ_TIMEOUT_S:g}s: "
-                              f"it is stopped, frozen or gone")
+            raise StoreSilent(f"rank 0, which hosts the job's store, did not answer for {deadline_s:g}s: it is "
+                              f"stopped, frozen or gone")
         ok, value = outcome[0]
         if not ok:
             raise value

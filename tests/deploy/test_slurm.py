@@ -161,7 +161,9 @@ def test_a_job_requeued_at_its_time_limit_and_by_scontrol_resumes_to_the_uninter
     assert (state["JobState"], state["ExitCode"], state["Restarts"]) == ("COMPLETED", "0:0", "2"), log[-5000:]
     assert "train.sbatch: time limit near: requeueing job" in log
     # Each interruption: every rank stopped on SIGTERM, the checkpoint was written, every rank exited 143.
-    assert len(re.findall(r"received SIGTERM: stopping at step \d+ to write a checkpoint", log)) == 8
+    # A rank may learn of the stop from the others before its own SIGTERM arrives: it stops at the same step.
+    assert len(re.findall(r"(received SIGTERM|another rank received a stop signal): stopping at step \d+ to write a "
+                          r"checkpoint", log)) == 8
     assert len(re.findall(r"preempted at step \d+; checkpoint written; exiting with 143", log)) == 8
     stops = [int(step) for step in re.findall(r"\[rank 0\] preempted at step (\d+)", log)]
     resumes = [int(step) for step in re.findall(r"\[rank 0/4\] INFO resumed from \S+: epoch \d+, step (\d+)", log)]
