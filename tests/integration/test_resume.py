@@ -7,12 +7,11 @@ import os
 import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.support.checkpoints import assert_same_tensors, newest_checkpoint, summary
+from tests.support.checkpoints import assert_same_tensors, newest_checkpoint, summary, wait_for_checkpoint
 from tests.support.procs import REPO_ROOT, TORCHRUN, clean_env, free_port, torchrun
 from trainer.errors import EXIT_PREEMPTED
 
@@ -61,15 +60,6 @@ def test_stopping_and_resuming_twice_mid_epoch_gives_identical_parameters(tmp_pa
     assert_same_tensors(final_state(tmp_path / "run"), reference)
 
 
-def _wait_for_checkpoint(checkpoint_dir: Path, process: subprocess.Popen, timeout_s: float = 120) -> None:
-    """Block until the run has committed its first checkpoint (a manifest appears)."""
-    deadline = time.monotonic() + timeout_s
-    while not list(checkpoint_dir.glob("step-*/manifest.json")):
-        assert process.poll() is None, "the run ended before writing a checkpoint"
-        assert time.monotonic() < deadline, "no checkpoint appeared"
-        time.sleep(0.05)
-
-
 def _start_torchrun(output_dir: Path, *torchrun_args: str) -> subprocess.Popen:
     cmd = [*TORCHRUN, "--standalone", "--nproc-per-node=2", *torchrun_args, "-m", "trainer", *run_args(output_dir)]
     return subprocess.Popen(cmd, env=clean_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -78,7 +68,7 @@ def _start_torchrun(output_dir: Path, *torchrun_args: str) -> subprocess.Popen:
 
 def test_sigterm_writes_a_checkpoint_exits_retryable_and_resumes_exactly(reference, tmp_path):
     process = _start_torchrun(tmp_path)
-    _wait_for_checkpoint(tmp_path / "checkpoints", process)
+    wait_for_checkpoint(tmp_path / "checkpoints", process)
     process.send_signal(signal.SIGTERM)  # what torchrun receives from Kubernetes or docker stop
     _, stderr = process.communicate(timeout=120)
     assert f"exiting with {EXIT_PREEMPTED}" in stderr, stderr[-3000:]
@@ -102,7 +92,7 @@ def _worker_pid(agent_pid: int, rank: int) -> int:
 
 def test_a_killed_rank_is_restarted_by_torchrun_and_the_job_ends_identical(reference, tmp_path):
     process = _start_torchrun(tmp_path, "--max-restarts=2")
-    _wait_for_checkpoint(tmp_path / "checkpoints", process)
+    wait_for_checkpoint(tmp_path / "checkpoints", process)
     os.kill(_worker_pid(process.pid, rank=1), signal.SIGKILL)
     _, stderr = process.communicate(timeout=300)
     assert process.returncode == 0, stderr[-3000:]
@@ -120,7 +110,7 @@ def test_a_killed_rank_on_one_of_two_nodes_restarts_both_nodes_and_the_job_ends_
          "--rdzv-id=two-nodes", "--max-restarts=2", "-m", "trainer", *run_args(tmp_path)],
         env=clean_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True) for _ in range(2)]
-    _wait_for_checkpoint(tmp_path / "checkpoints", agents[0])
+    wait_for_checkpoint(tmp_path / "checkpoints", agents[0])
     killed = next(pid for agent in agents for pid in _children(agent.pid) if _rank_of(pid) == 1)
     os.kill(killed, signal.SIGKILL)
     outputs = [agent.communicate(timeout=300) for agent in agents]

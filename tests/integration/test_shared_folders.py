@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from tests.support.checkpoints import wait_for_checkpoint
 from tests.support.procs import REPO_ROOT, clean_env, kill_session, run
 from trainer.errors import EXIT_USAGE
 
@@ -23,20 +24,12 @@ def trainer(output: Path, checkpoints: Path, *extra: str) -> list[str]:
             *extra]
 
 
-def wait_for(folder: Path, pattern: str, process: subprocess.Popen, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not list(folder.glob(pattern)):
-        assert process.poll() is None, process.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, f"nothing matched {folder / pattern}"
-        time.sleep(0.05)
-
-
 def test_a_second_job_on_a_folder_in_use_is_refused_and_a_killed_jobs_lease_expires(tmp_path):
     shared = tmp_path / "checkpoints"
     first = subprocess.Popen(trainer(tmp_path / "first", shared, "--epochs", "10000"), env=clean_env(), cwd=REPO_ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        wait_for(shared, "step-*/manifest.json", first)
+        wait_for_checkpoint(shared, first)
         second = run(trainer(tmp_path / "second", shared, "--epochs", "2"), timeout_s=120)
         assert second.returncode == EXIT_USAGE, second.stderr[-3000:]
         refusal = second.stderr.strip().splitlines()[-1]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.checkpoints import newest_checkpoint, summary
+from tests.support.checkpoints import newest_checkpoint, summary, wait_for_checkpoint
 from tests.support.preconditions import unavailable
 from tests.support.procs import BIN_DIR, REPO_ROOT, clean_env, env_ranks, free_port, kill_session, run, torchrun
 from trainer.errors import EXIT_PEER_LOST, EXIT_RENDEZVOUS, EXIT_USAGE
@@ -168,10 +168,7 @@ def test_when_a_rank_dies_the_other_exits_retryable_with_one_line_not_a_hang(tmp
                               env=clean_env({"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                                              "MASTER_PORT": str(port)}))
              for rank in range(2)]
-    deadline = time.monotonic() + 120
-    while not list((tmp_path / "checkpoints").glob("step-*/manifest.json")):
-        assert time.monotonic() < deadline and procs[1].poll() is None, "training never reached a checkpoint"
-        time.sleep(0.05)
+    wait_for_checkpoint(tmp_path / "checkpoints", procs[1])
     os.kill(procs[0].pid, signal.SIGKILL)
     _, stderr = procs[1].communicate(timeout=120)
     procs[0].communicate()

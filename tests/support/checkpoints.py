@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from trainer.checkpoint import TaskRecord, TrainingPosition, TrainingState, open_storage, verify
+
+
+def wait_for_checkpoint(checkpoint_dir: Path, *processes: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Block until a run has committed its first checkpoint (a manifest appears) in checkpoint_dir, failing
+    if one of ``processes`` ends first or none appears in time: the observable point to interrupt a run at."""
+    deadline = time.monotonic() + timeout_s
+    while not list(checkpoint_dir.glob("step-*/manifest.json")):
+        for process in processes:
+            assert process.poll() is None, f"the run ended before writing a checkpoint (exit {process.returncode})"
+        assert time.monotonic() < deadline, f"no checkpoint appeared in {checkpoint_dir} within {timeout_s:g}s"
+        time.sleep(0.05)
 
 
 def newest_checkpoint(checkpoint_dir: Path) -> tuple[str, dict[str, Any], dict[str, Any]]:

@@ -287,8 +287,7 @@ class LocalStorage(CheckpointStorage):
         # (atomic on local disks and NFS alike), and no reader ever sees the file half-written.
         folder = self.root / name
         folder.mkdir(parents=True, exist_ok=True)
-        draft = folder / f"{TEMP_PREFIX}{filename}-{uuid.uuid4().hex[:8]}"
-        self._write_durably(draft, data)
+        draft = self._write_draft(folder, filename, data)
         try:
             os.link(draft, folder / filename)
             fsync_dir(folder)
@@ -300,17 +299,19 @@ class LocalStorage(CheckpointStorage):
 
     def replace_file(self, name: str, filename: str, data: bytes) -> None:
         folder = self.root / name
-        draft = folder / f"{TEMP_PREFIX}{filename}-{uuid.uuid4().hex[:8]}"
-        self._write_durably(draft, data)
+        draft = self._write_draft(folder, filename, data)
         os.replace(draft, folder / filename)
         fsync_dir(folder)
 
     @staticmethod
-    def _write_durably(path: Path, data: bytes) -> None:
-        with open(path, "xb") as handle:
+    def _write_draft(folder: Path, filename: str, data: bytes) -> Path:
+        """The file's content, whole and durable, under a private temporary name beside it."""
+        draft = folder / f"{TEMP_PREFIX}{filename}-{uuid.uuid4().hex[:8]}"
+        with open(draft, "xb") as handle:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
+        return draft
 
     def files(self, name: str) -> list[str]:
         folder = self.root / name
