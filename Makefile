@@ -9,7 +9,7 @@ NPROC ?= 2
 EPOCHS ?= 3
 TRAIN_ARGS ?=
 
-.PHONY: help venv data train example test test-fast lint doctor clean torchx-test
+.PHONY: help venv data train example test test-fast gpu-check lint doctor clean torchx-test
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
@@ -49,7 +49,11 @@ test: venv ## lint, then the whole test suite (Docker tests run where an engine 
 
 test-fast: venv ## lint and the quick tests (unit tests and the launchers' file checks; under a minute)
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q -ra -m "not slow and not docker" $(PYTEST_ARGS)
+	$(BIN)/pytest -q -ra -m "not slow and not docker and not gpu" $(PYTEST_ARGS)
+
+# No venv: a GPU machine brings its own CUDA build of torch, which the venv's pinned CPU wheel would replace.
+gpu-check: ## the GPU suite (tests/gpu) with this machine's python3 and its CUDA torch; needs pytest there
+	PYTHONPATH=. $(PYTHON) -m pytest -q -ra -m gpu -p no:cacheprovider tests/gpu $(PYTEST_ARGS)
 
 lint: venv ## ruff over the code
 	$(BIN)/ruff check .

@@ -25,6 +25,7 @@ from bench.figures import (
     input_pipeline,
     launch_latency,
     overhead,
+    peers,
     scaling,
     sync_bn,
     sync_methods,
@@ -49,6 +50,7 @@ FIGURES: dict[str, tuple[str, Callable[[Context], FigureResult]]] = {
     "checkpoint": (checkpointing.TITLE, checkpointing.run),
     "launch": (launch_latency.TITLE, launch_latency.run),
     "imagefolder": (image_folder.TITLE, image_folder.run),
+    "peers": (peers.TITLE, peers.run),
 }
 
 

@@ -29,7 +29,15 @@ from trainer.build import build_training
 from trainer.checkpoint import CheckpointManager, Monitor
 from trainer.cli import dump_yaml, parse_config
 from trainer.config import Config
-from trainer.distributed import Runtime, agreed, choose_device, gather_to_main, process_group, threads_per_rank
+from trainer.distributed import (
+    Runtime,
+    agreed,
+    choose_backend,
+    choose_device,
+    gather_to_main,
+    process_group,
+    threads_per_rank,
+)
 from trainer.env import identity_from_env
 from trainer.errors import (
     EXIT_OK,
@@ -42,6 +50,7 @@ from trainer.errors import (
     first_line,
     user_message,
 )
+from trainer.gpu import apply_nccl_environment, nccl_timeout_advice
 from trainer.loop import Trainer
 from trainer.preemption import PreemptionWatcher
 from trainer.redact import redact
@@ -78,6 +87,9 @@ def run(task: str | type | None = None, argv: Sequence[str] | None = None, **set
         device = choose_device(config.dist, identity)
         if device.type == "cpu":
             torch.set_num_threads(threads_per_rank(config.dist, identity, dict(os.environ)))
+        if choose_backend(config.dist, device) == "nccl":
+            # Read by NCCL's process group when it is created: set before joining (trainer.gpu).
+            apply_nccl_environment(os.environ, config.output.output_dir)
         with process_group(config.dist, identity, device) as runtime:
             train(config, spec, runtime)
         return EXIT_OK
@@ -140,7 +152,7 @@ def train(config: Config, spec: TaskSpec, runtime: Runtime) -> dict[str, object]
     log.info("%s; device %s, backend %s, %d threads; task %s", runtime.identity.describe(), runtime.device,
              runtime.backend, torch.get_num_threads(), spec.describe())
 
-    watcher = PreemptionWatcher(config.checkpoint.grace_period_s, runtime.device, log)
+    watcher = PreemptionWatcher(config.checkpoint.grace_period_s, runtime, log)
     watcher.install()  # before the slow parts, so an early SIGTERM is not lost
     checkpoints = CheckpointManager(config.checkpoint, config.checkpoint_dir, runtime, log, Monitor(*spec.monitor))
     watcher.before_forced_exit = checkpoints.release_lease
@@ -149,7 +161,10 @@ def train(config: Config, spec: TaskSpec, runtime: Runtime) -> dict[str, object]
     except RuntimeError as error:
         if runtime.liveness is None or not TIMED_OUT.search(str(error)):
             raise
-        raise PeerLost(runtime.liveness.diagnose(config.dist.collective_timeout_s)) from None
+        diagnosis = runtime.liveness.diagnose(config.dist.collective_timeout_s)
+        if runtime.backend == "nccl":
+            diagnosis += "; " + nccl_timeout_advice(os.environ)
+        raise PeerLost(diagnosis) from None
     finally:
         checkpoints.close()  # the folder's lease, released whatever happened (a kill leaves it to expire)
         watcher.uninstall()

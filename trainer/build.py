@@ -18,6 +18,7 @@ from trainer.config import Config
 from trainer.distributed import Runtime, agreed
 from trainer.errors import TaskError
 from trainer.evaluation import MetricSet
+from trainer.gpu import DeviceTuning, choose_tuning
 from trainer.gradsync import GradSync, build_grad_sync
 from trainer.items import checked_collate
 from trainer.optimizers import build_optimizer
@@ -26,7 +27,7 @@ from trainer.rng import seed_everything
 from trainer.sampler import EVAL_EPOCH, ResumableDistributedSampler, SeededItems, ShardSampler
 from trainer.schedule import LRSchedule
 from trainer.syncbn import convert_sync_batchnorm
-from trainer.task import TaskContext, TaskData, TaskSpec, call_task, check_metrics
+from trainer.task import TaskContext, TaskData, TaskSpec, call_task, check_metrics, to_device
 
 __all__ = ["evaluation_loader", "loader_workers", "training_loader"]
 
@@ -49,6 +50,11 @@ class TrainingSetup:
     scaler: torch.amp.GradScaler
     precision: str
     device: torch.device
+    tuning: DeviceTuning  # channels-last and cuDNN's autotuner (trainer.gpu)
+
+    def inputs_on_device(self, batch: Any) -> Any:
+        """A batch as the model takes it: on the device (non-blocking copies), in the model's memory layout."""
+        return self.tuning.inputs(to_device(batch, self.device))
 
     def autocast(self) -> AbstractContextManager[object]:
         if self.precision == "fp32":
@@ -149,6 +155,10 @@ def build_training(config: Config, spec: TaskSpec, runtime: Runtime) -> Training
             log.info("--sync-bn: %d BatchNorm layer(s) of the model synchronised across %d ranks", layers,
                      identity.world_size)
     model = model.to(device)
+    tuning = choose_tuning(config.model.channels_last, config.model.cudnn_benchmark, device, model)
+    model = tuning.apply(model)
+    if device.type == "cuda" and identity.is_main:
+        log.info("GPU settings: %s", tuning.describe())
     seed_everything(seed + identity.rank)
 
     sync = build_grad_sync(config.train.sync, runtime)
@@ -165,7 +175,7 @@ def build_training(config: Config, spec: TaskSpec, runtime: Runtime) -> Training
     schedule = LRSchedule(config.optim.schedule, base_lr, config.optim.warmup_steps * global_batch, total_samples)
     scaler = torch.amp.GradScaler(device.type, enabled=config.optim.precision == "fp16")
     setup = TrainingSetup(spec, task, data, train_sampler, train_loader, eval_loader, wrapped, sync, optimizer,
-                          schedule, scaler, config.optim.precision, device)
+                          schedule, scaler, config.optim.precision, device, tuning)
     # A metric that cannot be reduced, or a monitored one that does not exist, fails now, not at evaluation.
     agreed(runtime, lambda: _check_monitor(spec, setup.new_metrics()), TaskError)
     return setup

@@ -44,6 +44,14 @@ class DataConfig:
 class ModelConfig:
     sync_bn: bool = option(False, "synchronise BatchNorm statistics across ranks (works on gloo too)", resume=FLAG)
     compile: bool = option(False, "compile the model with torch.compile")
+    channels_last: str = option("auto", "NHWC memory layout for the model and 4-D inputs: auto (on CUDA, for a "
+                                        "model with 2-D convolutions), on, off", ("auto", "on", "off"))
+    cudnn_benchmark: str = option("auto", "cuDNN's autotuner (torch.backends.cudnn.benchmark): auto (on with CUDA), "
+                                          "on, off (for bitwise repeatable GPU runs)", ("auto", "on", "off"))
+
+    def __post_init__(self) -> None:
+        check_choice(self.channels_last, "channels_last", ("auto", "on", "off"))
+        check_choice(self.cudnn_benchmark, "cudnn_benchmark", ("auto", "on", "off"))
 
 
 @dataclass
@@ -56,6 +64,9 @@ class OptimConfig:
     warmup_steps: int = option(0, "linear warm-up steps", resume=FLAG)
     scale_lr: bool = option(False, "multiply the learning rate by the world size (linear scaling rule)", resume=FLAG)
     grad_accum_steps: int = option(1, "micro-batches per optimizer step (gradients synchronised once)", resume=FLAG)
+    fused_optimizer: bool = option(True, "PyTorch's fused kernel for the optimizer where it has one (CPU, CUDA): "
+                                         "faster, and no read of the step count into Python every step; a resume "
+                                         "keeps the kernel its checkpoint was written with")
     clip_grad_norm: float = option(0.0, "clip the gradient norm to this value (0: off)", resume=FLAG)
     precision: str = option("fp32", "fp32, bf16 autocast (CPU and GPU) or fp16 with a grad scaler (GPU)",
                             PRECISIONS, resume=FLAG)
@@ -75,6 +86,7 @@ class TrainConfig:
     epochs: int = option(3, "number of epochs")
     batch_size: int = option(128, "samples per rank per micro-batch", resume=FLAG)
     eval_batch_size: int = option(512, "samples per rank per evaluation batch")
+    eval_every: int = option(0, "also evaluate every N optimizer steps, mid-epoch (0: at the end of each epoch only)")
     max_steps: int = option(0, "stop (with a checkpoint) once this many optimizer steps are done in total; "
                                 "the LR schedule still spans --epochs (0: no limit)")
     seed: int = option(0, "random seed (same seed and world size: bitwise the same run on CPU)", resume=FLAG)
@@ -84,6 +96,7 @@ class TrainConfig:
         check(self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}")
         check(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
         check(self.eval_batch_size >= 1, "--eval-batch-size must be >= 1")
+        check(self.eval_every >= 0, f"--eval-every must be >= 0, got {self.eval_every}")
         check(self.max_steps >= 0, "--max-steps must be >= 0")
         check_choice(self.sync, "sync", SYNC_METHODS)
 

@@ -22,8 +22,8 @@ from trainer.liveness import Liveness
 if TYPE_CHECKING:  # the config's choices come from registries whose modules import this one
     from trainer.config import DistConfig
 
-__all__ = ["Runtime", "agree", "agreed", "any_rank", "broadcast_from_main", "choose_backend", "choose_device",
-           "gather_to_main", "process_group"]
+__all__ = ["Runtime", "StopVote", "agree", "agreed", "any_rank", "broadcast_from_main", "choose_backend",
+           "choose_device", "gather_to_main", "process_group"]
 
 T = TypeVar("T")
 
@@ -36,6 +36,9 @@ class Runtime:
     device: torch.device
     backend: str
     liveness: Liveness | None = None  # heartbeats, where there are peers to watch
+    # The ranks' control traffic (agreements, stop votes, Python objects): gloo over CPU tensors, whatever
+    # the training backend, so that none of it makes the CPU wait for a GPU or queues behind gradients.
+    control: dist.ProcessGroup | None = None
 
     def busy(self, doing: str) -> AbstractContextManager[None]:
         """Name this rank's work in its heartbeat, for the ranks that wait for it (trainer.liveness)."""
@@ -136,7 +139,8 @@ def init_process_group(config: DistConfig, identity: DistIdentity, device: torch
         store = _store(identity, config)
         dist.init_process_group(backend, store=store, rank=identity.rank, world_size=identity.world_size,
                                 timeout=timeout)
-        return Runtime(identity, device, backend, Liveness(store, identity, config.collective_timeout_s))
+        control = dist.new_group(backend="gloo", timeout=timeout)
+        return Runtime(identity, device, backend, Liveness(store, identity, config.collective_timeout_s), control)
     return Runtime(identity, device, backend)
 
 
@@ -217,22 +221,22 @@ def process_group(config: DistConfig, identity: DistIdentity, device: torch.devi
         destroy_process_group()
 
 
-def _all_ranks_flag(flag: bool, op: dist.ReduceOp.RedOpType, device: torch.device) -> bool:
-    if dist.get_world_size() == 1:
-        return flag  # no other rank to ask: no collective, no wait for the device
-    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(value, op=op)
+def _all_ranks_flag(flag: bool, op: dist.ReduceOp.RedOpType, runtime: Runtime) -> bool:
+    if runtime.control is None:
+        return flag  # no other rank to ask: no collective
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32)  # on the CPU: the control group is gloo's
+    dist.all_reduce(value, op=op, group=runtime.control)
     return bool(value.item())
 
 
-def agree(ok: bool, device: torch.device) -> bool:
+def agree(ok: bool, runtime: Runtime) -> bool:
     """True only if every rank says ok: turns one rank's failure into every rank's clean error, not a hang."""
-    return _all_ranks_flag(ok, dist.ReduceOp.MIN, device)
+    return _all_ranks_flag(ok, dist.ReduceOp.MIN, runtime)
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """True if at least one rank raised the flag (for example, received SIGTERM)."""
-    return _all_ranks_flag(flag, dist.ReduceOp.MAX, device)
+def any_rank(flag: bool, runtime: Runtime) -> bool:
+    """True if at least one rank raised the flag."""
+    return _all_ranks_flag(flag, dist.ReduceOp.MAX, runtime)
 
 
 def agreed(runtime: Runtime, step: Callable[[], T], error_type: type[UserError] = UserError,
@@ -253,7 +257,7 @@ def agreed(runtime: Runtime, step: Callable[[], T], error_type: type[UserError] 
         runtime.wait_for_all(long_work)
     if failure is not None:
         _fail_everywhere(runtime, failure, error_type)
-    if runtime.identity.distributed and not agree(True, runtime.device):
+    if runtime.identity.distributed and not agree(True, runtime):
         _fail_everywhere(runtime, None, error_type)
     return value
 
@@ -262,9 +266,9 @@ def _fail_everywhere(runtime: Runtime, error: Exception | None, error_type: type
     if error is not None and not runtime.identity.distributed:
         raise error
     if error is not None:
-        agree(False, runtime.device)
+        agree(False, runtime)
     reports: list[str | None] = [None] * runtime.identity.world_size
-    dist.all_gather_object(reports, None if error is None else _report(error, runtime))
+    dist.all_gather_object(reports, None if error is None else _report(error, runtime), group=runtime.control)
     if error is not None and not isinstance(error, UserError):
         raise error
     raise error_type(next(report for report in reports if report is not None))
@@ -278,12 +282,49 @@ def _report(error: Exception, runtime: Runtime) -> str:
     return f"{where} failed: {type(error).__name__}: {error}"
 
 
+class StopVote:
+    """Whether any rank asked to stop, agreed without ever waiting: on a GPU, or on the network.
+
+    Each call starts this step's vote (an asynchronous all-reduce of a CPU flag over the control
+    group, trainer.distributed.Runtime.control) and returns the previous step's outcome, which has
+    long arrived by then. Every rank reads the same outcome at the same step, so all of them stop
+    together, one step after the first vote that saw the signal.
+    """
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.group = runtime.control
+        self.votes = 0  # started so far: one per training step (the CPU test counts them)
+        self._ballot = torch.zeros(1, dtype=torch.int32)
+        self._pending: dist.Work | None = None
+
+    def __call__(self, stop_here: bool) -> bool:
+        self.votes += 1
+        if self.group is None:
+            return stop_here  # one process: nobody to agree with
+        decided = self._outcome()
+        self._ballot = torch.tensor([1 if stop_here else 0], dtype=torch.int32)
+        self._pending = dist.all_reduce(self._ballot, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        return decided
+
+    def settle(self) -> bool:
+        """The outcome of the last vote, waited for: call on every rank where the training loop ends, so that
+        no vote is left in flight (and a signal in the last step is not missed)."""
+        return self._outcome()
+
+    def _outcome(self) -> bool:
+        if self._pending is None:
+            return False
+        self._pending.wait()
+        self._pending = None
+        return bool(self._ballot.item())  # host memory: reading it waits for nothing
+
+
 def broadcast_from_main(value: T, runtime: Runtime) -> T:
     """Rank 0's Python value on every rank (pickled in transit, between the job's own processes only)."""
     if runtime.identity.world_size == 1:
         return value
     holder: list[object] = [value]
-    dist.broadcast_object_list(holder, src=0, device=runtime.device)
+    dist.broadcast_object_list(holder, src=0, group=runtime.control)
     return holder[0]  # type: ignore[return-value]
 
 
@@ -292,5 +333,5 @@ def gather_to_main(value: T, runtime: Runtime) -> list[T] | None:
     if runtime.identity.world_size == 1:
         return [value]
     gathered: list[object] | None = [None] * runtime.identity.world_size if runtime.is_main else None
-    dist.gather_object(value, gathered, dst=0)
+    dist.gather_object(value, gathered, dst=0, group=runtime.control)
     return gathered  # type: ignore[return-value]

@@ -97,7 +97,8 @@ def _all_reduce_states(metrics: list[Metric]) -> None:
 
 
 def evaluate(model: nn.Module, loader: DataLoader[Any], task: Any, metrics: MetricSet, runtime: Runtime,
-             autocast: Callable[[], AbstractContextManager[object]]) -> dict[str, float]:
+             autocast: Callable[[], AbstractContextManager[object]],
+             inputs_on_device: Callable[[Any], Any] | None = None) -> dict[str, float]:
     """Every evaluation sample counted exactly once: each rank scores its own shard (no padding), then the
     states are reduced. Ranks may have different batch counts, so no collective runs inside the loop, and
     the plain module is used (DDP's forward would broadcast buffers)."""
@@ -106,7 +107,8 @@ def evaluate(model: nn.Module, loader: DataLoader[Any], task: Any, metrics: Metr
     plain.eval()
     with torch.no_grad():
         for inputs, targets in loader:
-            inputs, targets = to_device(inputs, runtime.device), to_device(targets, runtime.device)
+            inputs = inputs_on_device(inputs) if inputs_on_device else to_device(inputs, runtime.device)
+            targets = to_device(targets, runtime.device)
             with autocast():
                 outputs = plain(inputs)
                 loss = task.loss(outputs, targets)

@@ -58,7 +58,7 @@ def _check_batch(setup: TrainingSetup, runtime: Runtime, split: str, loader: Dat
     batch = loader.collate_fn(items)
     if not (isinstance(batch, Sequence) and len(batch) == 2):
         raise TaskError(f"{where}: a batch must be (inputs, targets), got {type(batch).__name__}")
-    inputs, targets = to_device(batch[0], runtime.device), to_device(batch[1], runtime.device)
+    inputs, targets = setup.inputs_on_device(batch[0]), to_device(batch[1], runtime.device)
     model = unwrap(setup.model)
     model.eval()
     try:

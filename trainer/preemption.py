@@ -10,25 +10,23 @@ import threading
 from collections.abc import Callable
 from types import FrameType
 
-import torch
-
-from trainer.distributed import any_rank
+from trainer.distributed import Runtime, StopVote
 from trainer.errors import EXIT_PREEMPTED
 
 FORCED_EXIT_CLEANUP_S = 2.0
 
 
 class PreemptionWatcher:
-    """Records SIGTERM; ``should_stop`` asks every rank whether any of them got it.
+    """Records SIGTERM; ``should_stop`` asks every rank whether any of them got it (see StopVote).
 
     The grace period starts at the signal: if the checkpoint and exit have not happened by then,
     the process exits anyway with the same retryable code, before the launcher's SIGKILL; the
     previous checkpoint is still valid because saves are atomic.
     """
 
-    def __init__(self, grace_period_s: float, device: torch.device, log: logging.Logger) -> None:
+    def __init__(self, grace_period_s: float, runtime: Runtime, log: logging.Logger) -> None:
         self.grace_period_s = grace_period_s
-        self.device = device
+        self.vote = StopVote(runtime)
         self.log = log
         self.signal_received: int | None = None
         # Run (for at most FORCED_EXIT_CLEANUP_S) before exiting without a checkpoint: the checkpoint
@@ -72,8 +70,13 @@ class PreemptionWatcher:
         os._exit(EXIT_PREEMPTED)
 
     def should_stop(self) -> bool:
-        """A collective: call on every rank at the same step."""
-        return any_rank(self.signal_received is not None, self.device)
+        """A collective: call on every rank at every step. True, on every rank at the same step, one step after
+        some rank's signal."""
+        return self.vote(self.signal_received is not None)
+
+    def should_stop_now(self) -> bool:
+        """A collective: where training ends (every rank, same point), the last vote's outcome."""
+        return self.vote.settle()
 
     def describe(self) -> str:
         if self.signal_received is None:

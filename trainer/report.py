@@ -14,8 +14,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-import torch
-
 from trainer.env import DistIdentity
 from trainer.errors import OutputError
 from trainer.redact import redact
@@ -127,10 +125,14 @@ class ProgressDisplay:
             self._bar = tqdm(total=total_steps, initial=done_steps, desc=f"epoch {epoch + 1}/{epochs}",
                              unit="step", file=self.stream, dynamic_ncols=True, leave=True)
 
-    def step(self, loss: torch.Tensor) -> None:
-        if self._bar is not None:  # reading the loss waits for the device: only when it is shown
+    def step(self) -> None:
+        if self._bar is not None:
             self._bar.update(1)
-            self._bar.set_postfix(loss=f"{float(loss):.4f}", refresh=False)
+
+    def show_loss(self, loss: float) -> None:
+        """The last log window's loss, beside the bar: a value already read, at a log step."""
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
 
     def line(self, text: str) -> None:
         """A periodic metrics line: logged when there is no bar, shown above the bar otherwise."""

@@ -34,7 +34,7 @@ VARIANTS = [
     (Phase("ddp-bf16-hook", hook="bf16"), "bf16 compression hook"),
     (Phase("ddp-pinned", pin=True), "every thread of rank r pinned to core r"),
     (Phase("ddp-accum-2", accum=2), "2 micro-batches per sync (no_sync), vs 1 process with 2 too"),
-    (Phase("ddp-stop-check", stop_check=True), "+ a 1-element all-reduce per step (the trainer's SIGTERM check)"),
+    (Phase("ddp-stop-check", stop_check=True), "+ the trainer's stop vote per step (an asynchronous all-reduce)"),
 ]
 # Batch 8: a step that is mostly fixed cost (Python, dispatch, DDP's hooks, gloo's latency), not arithmetic.
 TINY_SINGLE = Phase("single-batch-8", ranks=1, method="none", batch_size=8)

@@ -29,7 +29,7 @@ class Phase:
     accum: int = 1  # micro-batches per optimizer step; DDP syncs only the last (no_sync on the others)
     pin: bool = False  # every thread of rank r pinned to core r for the phase
     sync_bn: bool = False  # the trainer's SyncBatchNorm conversion
-    stop_check: bool = False  # after every optimizer step, the trainer's SIGTERM agreement (a 1-element all-reduce)
+    stop_check: bool = False  # after every optimizer step, the trainer's stop vote (trainer.distributed.StopVote)
     batch_size: int = 0  # samples per rank and micro-batch; 0: the plan's
 
     def __post_init__(self) -> None:

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from bench.harness.phases import Phase, Plan
 from trainer.config import DistConfig
-from trainer.distributed import Runtime, any_rank, process_group
+from trainer.distributed import Runtime, StopVote, process_group
 from trainer.env import identity_from_env
 from trainer.gradsync import GradSync, build_grad_sync
 from trainer.models import ConvNet
@@ -60,7 +60,7 @@ class _Trainee:
             self.sync = build_grad_sync(phase.method, runtime)
             model = self.sync.wrap(model)
         self.model = model
-        self.device = runtime.device
+        self.vote = StopVote(runtime) if phase.stop_check else None
 
     def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
         """One optimizer step over len(batches) micro-batches: seconds in forward, backward, sync, optimizer."""
@@ -81,8 +81,8 @@ class _Trainee:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         stepped = time.perf_counter()
-        if self.phase.stop_check:
-            any_rank(False, self.device)
+        if self.vote is not None:
+            self.vote(False)
         return [forward, backward, synced - started + time.perf_counter() - stepped, stepped - synced]
 
     def bucket_bytes(self) -> list[int]:
@@ -130,6 +130,8 @@ def run_plan(plan: Plan, runtime: Runtime) -> list[dict[str, Any]]:
             runqueue = _runqueue_wait_s()
             for _ in range(plan.steps):
                 parts.append(trainee.step(micro))
+            if trainee.vote is not None:
+                trainee.vote.settle()  # the last step's vote, as the trainer waits for it where its loop ends
             wall = time.perf_counter() - wall
             thread_cpu, process_cpu = time.thread_time() - thread_cpu, time.process_time() - process_cpu
             runqueue = _runqueue_wait_s() - runqueue

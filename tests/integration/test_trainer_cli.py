@@ -67,9 +67,9 @@ def test_evaluation_counts_each_test_sample_once_for_any_world_size(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_plain_env_ranks_report_metrics_tensorboard_and_rank_tagged_logs(tmp_path):
+def test_two_plain_env_ranks_report_metrics_tensorboard_mid_epoch_evaluations_and_rank_tagged_logs(tmp_path):
     args = [*TINY, "--precision", "bf16", "--log-every", "2", "--tensorboard", "--progress", "on", "--sync-bn",
-            "--synthetic-train-size", "640", "--lr", "0.003", "--output-dir", str(tmp_path)]
+            "--synthetic-train-size", "640", "--lr", "0.003", "--eval-every", "6", "--output-dir", str(tmp_path)]
     results = env_ranks(args, world_size=2)
     for rank, result in enumerate(results):
         assert result.returncode == 0, result.stderr[-2000:]
@@ -81,6 +81,9 @@ def test_two_plain_env_ranks_report_metrics_tensorboard_and_rank_tagged_logs(tmp
     test = [r for r in records if r["kind"] == "test"]
     assert train and {"loss", "accuracy", "lr", "samples_per_s", "epoch"} <= set(train[0])
     assert test[-1]["samples"] == 67
+    # 20 steps of 2 x 16 samples: --eval-every 6 evaluates mid-epoch at 6, 12, 18; the epoch's own at 20.
+    assert [(r["step"], r["samples_seen"], r["samples"]) for r in test] == [(s, 32 * s, 67) for s in (6, 12, 18, 20)]
+    assert "step 6 (epoch 1): test loss" in results[0].stderr
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     result = summary(tmp_path)
     assert [r["rank"] for r in result["ranks"]] == [0, 1] and result["ranks"][0]["launcher"] == "env"

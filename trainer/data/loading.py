@@ -130,8 +130,8 @@ def _check_same_sizes(runtime: Runtime, train_size: int, test_size: int, data_di
     """Nodes can resolve the same flags to different files (one has the Debian package, another not)."""
     if not runtime.identity.distributed:
         return
-    sizes = torch.tensor([train_size, test_size, -train_size, -test_size], dtype=torch.int64, device=runtime.device)
-    dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
+    sizes = torch.tensor([train_size, test_size, -train_size, -test_size], dtype=torch.int64)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=runtime.control)
     largest, smallest = sizes[:2].tolist(), (-sizes[2:]).tolist()
     if largest != smallest:
         fix = ("install dataset-fashion-mnist on every node or on none, or pass --data-dir" if defaulted

@@ -19,6 +19,7 @@ from trainer.config import DistConfig
 from trainer.distributed import Runtime, choose_backend, choose_device, process_group
 from trainer.doctor.bandwidth import Bandwidth, run_bandwidth
 from trainer.doctor.checks import Outcome, Probe, run_checks
+from trainer.doctor.nccl import nccl_facts, nccl_problems
 from trainer.doctor.report import PROG, describe_device, failure_summary, print_report, write_json
 from trainer.env import identity_from_env
 from trainer.errors import EXIT_FAILURE, EXIT_OK, ConfigError, UserError, described
@@ -69,6 +70,12 @@ def parse(argv: Sequence[str] | None) -> tuple[DoctorConfig, DistConfig]:
 def diagnose(runtime: Runtime, config: DoctorConfig, probe_type: type[Probe] = Probe) -> int:
     """Run the checks and the bandwidth test on this rank, then agree with the others on the verdict."""
     identity = runtime.identity
+    if runtime.backend == "nccl":
+        problems = nccl_preflight(runtime)
+        if problems:
+            for problem in problems:
+                print(f"{PROG}: rank {identity.rank}: FAILED: NCCL preflight: {problem}", file=sys.stderr, flush=True)
+            return EXIT_FAILURE
     probe = probe_type(identity.rank, identity.world_size, runtime.device)
     outcomes, in_step = run_checks(probe)
     bandwidths: list[Bandwidth] = []
@@ -102,6 +109,18 @@ def diagnose(runtime: Runtime, config: DoctorConfig, probe_type: type[Probe] = P
     if identity.is_main:
         print(f"\n{PROG}: every check passed on {identity.world_size} rank(s)", flush=True)
     return EXIT_OK
+
+
+def nccl_preflight(runtime: Runtime) -> list[str]:
+    """Every rank's GPU and NCCL settings compared before NCCL's first collective (trainer.doctor.nccl): they
+    travel over gloo, so a setup that would make NCCL hang or abort is reported instead."""
+    identity = runtime.identity
+    facts = {"rank": identity.rank, "host": identity.hostname, **nccl_facts(runtime.device, os.environ)}
+    everyone: list[object] = [facts]
+    if runtime.control is not None:
+        everyone = [None] * identity.world_size
+        dist.all_gather_object(everyone, facts, group=runtime.control)
+    return nccl_problems(everyone)  # type: ignore[arg-type]
 
 
 def run(config: DoctorConfig, dist_config: DistConfig, environ: Mapping[str, str],

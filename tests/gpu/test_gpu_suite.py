@@ -1,0 +1,103 @@
+"""Everything the trainer does differently on a GPU, run on one (``make gpu-check``); two-rank NCCL where the
+machine has two GPUs. Real runs of the trainer and the doctor, one process per GPU."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.checkpoints import newest_checkpoint, summary
+from tests.support.procs import run, torchrun
+from trainer.config import DistConfig
+from trainer.distributed import choose_backend, choose_device
+from trainer.env import identity_from_env
+from trainer.errors import DeviceError
+
+STEPS = 16  # 512 samples, batch 32, one rank: steps per epoch
+RUN = ["--dataset", "synthetic", "--synthetic-train-size", "512", "--synthetic-test-size", "128", "--batch-size",
+       "32", "--progress", "off", "--no-tensorboard"]
+
+
+def train(output: Path, *flags: str, nproc: int = 1, module: str = "trainer") -> subprocess.CompletedProcess[str]:
+    result = torchrun([*RUN, "--output-dir", str(output), *flags], nproc=nproc, module=module, timeout_s=400)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def test_cuda_and_nccl_are_chosen_and_a_missing_gpu_is_one_line():
+    identity = identity_from_env({})
+    device = choose_device(DistConfig(), identity)
+    assert device == torch.device("cuda", 0) and choose_backend(DistConfig(), device) == "nccl"
+    too_far = identity_from_env({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": str(torch.cuda.device_count()),
+                                 "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
+    with pytest.raises(DeviceError, match="start at most"):
+        choose_device(DistConfig(), too_far)
+
+
+def test_one_rank_trains_over_nccl_with_the_gpu_defaults_and_a_checkpoint_cpu_machines_can_load(tmp_path):
+    result = train(tmp_path / "run", "--epochs", "1")
+    assert "device cuda:0, backend nccl" in result.stderr
+    assert "GPU settings: channels-last on, cuDNN autotuner on" in result.stderr
+    assert (tmp_path / "run" / "nccl-flight-recorder").is_dir(), "the flight recorder's dump folder"
+    assert summary(tmp_path / "run")["global_step"] == STEPS
+    _, _, state = newest_checkpoint(tmp_path / "run" / "checkpoints")  # read on the CPU, weights_only
+    assert all(tensor.device.type == "cpu" for tensor in state["model"].values())
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_trains_and_steady_state_steps_never_wait_for_the_gpu(tmp_path, precision):
+    # Steps 3 to 15 run under torch.cuda.set_sync_debug_mode("error"): any device wait raises. No log step
+    # in between (each reads its metrics, on purpose). fp16's grad scaler skips its per-step read of the inf
+    # check because the optimizer is fused (trainer.optimizers).
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m",
+               "tests.workers.sync_free_steps", "3", "15", *RUN, "--output-dir", str(tmp_path / "run"), "--epochs",
+               "1", "--precision", precision, "--log-every", "1000"]
+    result = run(command, timeout_s=400)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "sync-free steps: 12" in result.stdout
+    final = summary(tmp_path / "run")["test_metrics"]
+    assert math.isfinite(final["loss"])
+    _, _, state = newest_checkpoint(tmp_path / "run" / "checkpoints")
+    assert bool(state["grad_scaler"]) == (precision == "fp16")
+
+
+def test_compiled_model_trains(tmp_path):
+    train(tmp_path / "run", "--epochs", "1", "--compile")
+    assert summary(tmp_path / "run")["global_step"] == STEPS
+
+
+def test_a_gpu_checkpoint_resumes_on_the_cpu_and_a_cpu_checkpoint_on_the_gpu(tmp_path):
+    output = tmp_path / "run"
+    train(output, "--epochs", "1")
+    on_cpu = train(output, "--epochs", "2", "--device", "cpu")
+    assert "device cpu, backend gloo" in on_cpu.stderr
+    assert summary(output)["resumed_from"].endswith(f"step-{STEPS:08d}")
+    back = train(output, "--epochs", "3")
+    assert "device cuda:0, backend nccl" in back.stderr
+    assert summary(output)["resumed_from"].endswith(f"step-{2 * STEPS:08d}")
+    assert summary(output)["global_step"] == 3 * STEPS
+
+
+def test_data_parallel_sync_method_trains_on_cuda(tmp_path):
+    train(tmp_path / "run", "--epochs", "1", "--sync", "dp")
+    assert summary(tmp_path / "run")["global_step"] == STEPS
+
+
+def test_the_doctor_passes_on_nccl():
+    result = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m",
+                  "trainer.doctor", "--device", "cuda", "--sizes-mb", "1,64", "--iterations", "3"], timeout_s=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "backend nccl" in result.stdout and "every check passed" in result.stdout
+
+
+def test_two_ranks_over_nccl_with_pytorchs_sync_batchnorm(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"two-rank NCCL needs 2 GPUs; this machine has {torch.cuda.device_count()}")
+    result = train(tmp_path / "run", "--epochs", "1", "--sync-bn", nproc=2)
+    assert "BatchNorm layer(s) of the model synchronised across 2 ranks" in result.stderr
+    assert summary(tmp_path / "run")["global_step"] == STEPS // 2

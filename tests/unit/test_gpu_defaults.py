@@ -1,0 +1,79 @@
+"""trainer.gpu: the settings a CUDA run adds, decided without a GPU (the GPU suite runs them on one)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from trainer.build import build_training
+from trainer.cli import parse_config
+from trainer.distributed import Runtime
+from trainer.env import identity_from_env
+from trainer.gpu import apply_nccl_environment, choose_tuning, nccl_environment, nccl_timeout_advice
+
+ONE_PROCESS = Runtime(identity_from_env({}), torch.device("cpu"), "gloo")
+CUDA = torch.device("cuda", 0)  # a device object only: nothing runs on it
+CONV = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten())
+MLP = nn.Sequential(nn.Linear(4, 2))
+
+
+def test_auto_turns_channels_last_and_the_autotuner_on_for_cuda_convolutions_only():
+    assert (choose_tuning("auto", "auto", CUDA, CONV).channels_last, choose_tuning("auto", "auto", CUDA, CONV)
+            .cudnn_benchmark) == (True, True)
+    assert choose_tuning("auto", "auto", CUDA, MLP).channels_last is False
+    cpu = choose_tuning("auto", "auto", torch.device("cpu"), CONV)
+    assert (cpu.channels_last, cpu.cudnn_benchmark) == (False, False)
+    forced = choose_tuning("on", "off", torch.device("cpu"), MLP)
+    assert (forced.channels_last, forced.cudnn_benchmark) == (True, False)
+
+
+def test_channels_last_reaches_the_model_and_every_4d_input_of_a_nested_batch():
+    tuning = choose_tuning("on", "auto", torch.device("cpu"), CONV)
+    image, sequence = torch.randn(2, 3, 4, 5), torch.randn(2, 3, 4)
+    batch = tuning.inputs({"image": image, "parts": [sequence, (image,)]})
+    assert batch["image"].is_contiguous(memory_format=torch.channels_last)
+    assert batch["parts"][0] is sequence
+    assert batch["parts"][1][0].is_contiguous(memory_format=torch.channels_last)
+    off = choose_tuning("off", "auto", torch.device("cpu"), CONV)
+    assert off.inputs(image) is image
+
+
+def test_a_run_with_channels_last_on_builds_an_nhwc_model_and_feeds_it_nhwc_batches(tmp_path):
+    config, spec = parse_config(["--dataset", "synthetic", "--synthetic-train-size", "16", "--synthetic-test-size",
+                                 "8", "--batch-size", "4", "--channels-last", "on", "--output-dir", str(tmp_path)])
+    setup = build_training(config, spec, ONE_PROCESS)
+    convolutions = [module for module in setup.model.modules() if isinstance(module, nn.Conv2d)]
+    assert convolutions and all(conv.weight.is_contiguous(memory_format=torch.channels_last) for conv in convolutions)
+    inputs, _ = next(iter(setup.train_loader))
+    assert setup.inputs_on_device(inputs).is_contiguous(memory_format=torch.channels_last)
+    assert setup.tuning.cudnn_benchmark is False  # auto, on a CPU
+
+
+def test_the_nccl_defaults_leave_the_users_own_settings_alone(tmp_path):
+    added = nccl_environment({"TORCH_NCCL_TRACE_BUFFER_SIZE": "50"}, str(tmp_path / "run"))
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in added
+    assert added["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and added["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert added["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "run" / "nccl-flight-recorder" / "rank-")
+    assert added["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == added["TORCH_FR_DUMP_TEMP_FILE"]
+
+
+def test_the_flight_recorder_folder_is_made_and_named_in_the_timeout_advice(tmp_path):
+    environ: dict[str, str] = {}
+    apply_nccl_environment(environ, str(tmp_path / "run"))
+    assert (tmp_path / "run" / "nccl-flight-recorder").is_dir()
+    advice = nccl_timeout_advice(environ)
+    assert "NCCL_DEBUG=INFO" in advice
+    assert f"`torchfrtrace {tmp_path}/run/nccl-flight-recorder -p rank-`" in advice
+    assert "flight" not in nccl_timeout_advice({"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}) and "torchfrtrace" not in (
+        nccl_timeout_advice({"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}))
+
+
+def test_the_autotuner_setting_is_applied_to_cudnn():
+    before = torch.backends.cudnn.benchmark
+    try:
+        choose_tuning("off", "on", torch.device("cpu"), MLP).apply(MLP)
+        assert torch.backends.cudnn.benchmark is True
+        choose_tuning("off", "off", torch.device("cpu"), MLP).apply(MLP)
+        assert torch.backends.cudnn.benchmark is False
+    finally:
+        torch.backends.cudnn.benchmark = before

@@ -1,0 +1,109 @@
+"""What a GPU run sets up that a CPU run does not: channels-last memory and cuDNN's autotuner where they
+help, NCCL's asynchronous error handling and flight recorder, and the advice a timed-out NCCL collective needs.
+
+Everything here is decided from the config and the device, and told in one log line (``describe``); none of
+it changes what a CPU run does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["DeviceTuning", "apply_nccl_environment", "choose_tuning", "nccl_environment", "nccl_timeout_advice"]
+
+# The flight recorder's dumps, one file per rank, under the run's output folder.
+FLIGHT_RECORDER_DIR = "nccl-flight-recorder"
+FLIGHT_RECORDER_PREFIX = "rank-"
+
+NCCL_DEFAULTS = {
+    # A collective past --collective-timeout-s aborts its communicator and ends the process (the launcher
+    # restarts the job), instead of leaving a GPU kernel spinning on a peer that is gone.
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    # The flight recorder: each rank keeps its last 2000 collectives (op, sizes, state, stack) and writes
+    # them out on a timeout, so the dumps show which rank never joined which collective.
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+}
+
+
+@dataclass(frozen=True)
+class DeviceTuning:
+    """Per-run choices that only matter on CUDA."""
+
+    channels_last: bool  # model and 4-D inputs in NHWC: cuDNN's tensor-core convolutions want it
+    cudnn_benchmark: bool  # cuDNN times its algorithms for each new input shape and keeps the fastest
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        torch.backends.cudnn.benchmark = self.cudnn_benchmark
+        return model.to(memory_format=torch.channels_last) if self.channels_last else model
+
+    def inputs(self, batch: Any) -> Any:
+        """A batch's 4-D tensors in channels-last layout (after the copy to the device); others unchanged."""
+        if not self.channels_last:
+            return batch
+        if isinstance(batch, Tensor):
+            return batch.contiguous(memory_format=torch.channels_last) if batch.dim() == 4 else batch
+        if isinstance(batch, Mapping):
+            return {key: self.inputs(value) for key, value in batch.items()}
+        if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+            return type(batch)(*(self.inputs(value) for value in batch))
+        if isinstance(batch, list | tuple):
+            return type(batch)(self.inputs(value) for value in batch)
+        return batch
+
+    def describe(self) -> str:
+        return (f"channels-last {'on' if self.channels_last else 'off'}, cuDNN autotuner "
+                f"{'on' if self.cudnn_benchmark else 'off'}")
+
+
+def choose_tuning(channels_last: str, cudnn_benchmark: str, device: torch.device, model: nn.Module) -> DeviceTuning:
+    """``auto`` means: on CUDA, channels-last for a model with 2-D convolutions and the autotuner for any
+    model (a run's input shapes repeat: the one-off timing pays back within steps). Off on the CPU, where
+    cuDNN does not run and NHWC changes the arithmetic's order: CPU runs keep their exact numbers, and a
+    checkpoint written before this option resumes bitwise; ``on`` asks for NHWC there too."""
+    cuda = device.type == "cuda"
+    has_conv = any(isinstance(module, nn.Conv2d) for module in model.modules())
+    return DeviceTuning(channels_last=_decide(channels_last, cuda and has_conv),
+                        cudnn_benchmark=_decide(cudnn_benchmark, cuda))
+
+
+def _decide(setting: str, auto: bool) -> bool:
+    return auto if setting == "auto" else setting == "on"
+
+
+def nccl_environment(environ: Mapping[str, str], output_dir: str) -> dict[str, str]:
+    """The NCCL settings this run adds to its environment: the defaults above and the flight recorder's
+    dump path, each only where the user has not set it (theirs always win)."""
+    dump = str(Path(output_dir).resolve() / FLIGHT_RECORDER_DIR / FLIGHT_RECORDER_PREFIX)
+    # PyTorch reads the dump path under its newer name and, before 2.7, its older one.
+    wanted = {**NCCL_DEFAULTS, "TORCH_FR_DUMP_TEMP_FILE": dump, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": dump}
+    return {name: value for name, value in wanted.items() if name not in environ}
+
+
+def apply_nccl_environment(environ: MutableMapping[str, str], output_dir: str) -> dict[str, str]:
+    """Set nccl_environment's values before the NCCL process group exists (it reads them when created); the
+    dump folder is made now, best effort: an output folder that cannot be written fails later, clearly."""
+    added = nccl_environment(environ, output_dir)
+    environ.update(added)
+    with contextlib.suppress(OSError):
+        Path(environ["TORCH_FR_DUMP_TEMP_FILE"]).parent.mkdir(parents=True, exist_ok=True)
+    return added
+
+
+def nccl_timeout_advice(environ: Mapping[str, str]) -> str:
+    """What to do after an NCCL collective timed out: NCCL's own log, and where the flight recorder wrote."""
+    advice = ("for NCCL's own account of it, run again with NCCL_DEBUG=INFO (and NCCL_DEBUG_SUBSYS=INIT,NET "
+              "when ranks cannot connect)")
+    dump = environ.get("TORCH_FR_DUMP_TEMP_FILE") or environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    if dump and environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT") == "1":
+        folder, prefix = Path(dump).parent, Path(dump).name
+        advice += (f"; each rank's last collectives are in {folder}/{prefix}N (compare them with "
+                   f"`torchfrtrace {folder} -p {prefix}`: it names the first collective a rank never joined)")
+    return advice
