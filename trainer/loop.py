@@ -46,6 +46,8 @@ class Trainer:
         options = as_dict(config.task_options)
         # Stored redacted, as every saved config (trainer.redact); trainer.resume compares it so.
         self.task_record = TaskRecord(setup.spec.name, setup.spec.source, redacted(options))
+        # What only the optimizer step changes: an asynchronous save copies it during the next step's compute.
+        self._parameter_names = frozenset(name for name, _ in self.parts.model.named_parameters())
         self.resumed_from: str | None = None
         self.samples_at_start = 0  # where this run started (its throughput counts from there)
         self.output_dir = Path(config.output.output_dir)
@@ -100,7 +102,7 @@ class Trainer:
         broadcast_buffers(self.setup.model, self.runtime)
         config = redacted({name: value for name, value in self.config.to_dict().items() if name != "task"})
         self.checkpoints.save(capture(self.parts, self.task_record, config, self.runtime.identity.world_size),
-                              metrics)
+                              metrics, self._parameter_names)
         self._last_saved_step = self.position.step
 
     # -- training ------------------------------------------------------------------------------------------
@@ -200,6 +202,7 @@ class Trainer:
         if self.config.optim.clip_grad_norm:
             setup.scaler.unscale_(setup.optimizer)
             nn.utils.clip_grad_norm_(setup.model.parameters(), self.config.optim.clip_grad_norm)
+        self.checkpoints.before_update()  # an asynchronous save's copy of the parameters is complete
         setup.scaler.step(setup.optimizer)
         setup.scaler.update()
         setup.optimizer.zero_grad(set_to_none=True)

@@ -34,8 +34,10 @@ def seed_after_resize(seed: int, step: int, rank: int) -> None:
 
 def capture_rng() -> RngState:
     key, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    version, internal, gauss = random.getstate()
     state: RngState = {
-        "python": random.getstate(),
+        # Its 625 numbers as one tensor, not a tuple: pickled one by one they were a third of a small save.
+        "python": (version, torch.tensor(internal, dtype=torch.int64), gauss),
         "numpy": {
             "key": str(key),
             "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
@@ -52,7 +54,9 @@ def capture_rng() -> RngState:
 
 def restore_rng(state: RngState) -> None:
     version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
+    # A tensor since checkpoint format 3's later saves; a tuple of ints before.
+    numbers = internal.tolist() if isinstance(internal, torch.Tensor) else internal
+    random.setstate((version, tuple(numbers), gauss))
     numpy_state = state["numpy"]
     np.random.set_state((
         numpy_state["key"],

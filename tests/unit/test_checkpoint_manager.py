@@ -288,3 +288,22 @@ def test_manifest_is_plain_json(manager_for, tmp_path):
     manifest = json.loads((tmp_path / "step-00000001" / "manifest.json").read_text())
     assert manifest["format"] == 3 and set(manifest["files"]["state.pt"]) == {"bytes", "crc32"}
     assert (manifest["step"], manifest["task"], manifest["world_size"]) == (1, "test", 1)
+
+
+def test_async_save_copies_the_parameters_in_the_background_and_before_update_waits_for_that_copy(
+        manager_for, tmp_path):
+    manager = manager_for(str(tmp_path), async_checkpoint=True)
+    weight, running_mean = torch.zeros(512, 512), torch.zeros(8)
+    state = state_at(1, weight)
+    state.model["running_mean"] = running_mean
+    manager.save(state, unchanged_until_update=frozenset({"weight"}))
+    running_mean.add_(1.0)  # a buffer: the next forward pass changes it, so save() had copied it already
+    manager.before_update()
+    weight.add_(1.0)  # the optimizer step, once before_update() returned
+    manager.finish()
+    saved = verify(open_storage(str(tmp_path)), "step-00000001").state.model
+    assert torch.equal(saved["weight"], torch.zeros(512, 512))
+    assert torch.equal(saved["running_mean"], torch.zeros(8))
+    assert manager.last_timing.copied_later_bytes == weight.nbytes  # the weight's copy was the thread's
+
+

@@ -11,10 +11,12 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils.serialization import config as serialization_config
 
 from trainer.checkpoint.lease import CheckpointLease
 from trainer.checkpoint.schema import FORMAT, READABLE, SchemaError, TrainingState, library_versions
@@ -65,6 +67,7 @@ class Monitor:
 class SaveTiming:
     write_s: float = 0.0  # serialise + checksum + write + fsync + commit
     bytes: int = 0
+    copied_later_bytes: int = 0  # an asynchronous save's tensors copied after save() returned
 
 
 def verify(storage: CheckpointStorage, name: str) -> LoadedCheckpoint:
@@ -151,6 +154,7 @@ class CheckpointManager:
         self.last_timing = SaveTiming()
         self._writer: threading.Thread | None = None
         self._writer_error: str | None = None
+        self._copied: threading.Event | None = None  # set once an asynchronous save's deferred copies are done
         self._buffers: dict[str, torch.Tensor] = {}
         self.lease: CheckpointLease | None = None
 
@@ -225,12 +229,18 @@ class CheckpointManager:
             raise CheckpointError(f"--resume {path}: cannot read it ({error.strerror or error})") from None
 
     # -- save ----------------------------------------------------------------------------------------------
-    def save(self, state: TrainingState, metrics: dict[str, float] | None = None) -> None:
+    def save(self, state: TrainingState, metrics: dict[str, float] | None = None,
+             unchanged_until_update: frozenset[str] = frozenset()) -> None:
         """Called by every rank at the same step; rank 0 writes, the others learn whether it worked.
 
         Each rank contributes its own RNG state (they differ per rank). Synchronous saves return after
         the commit; asynchronous ones after the snapshot, and the next save or ``finish`` collects the
         outcome. ``metrics``: the evaluation's, recorded in the manifest (--keep-best reads them there).
+
+        ``unchanged_until_update``: the model entries that nothing changes before the next optimizer step
+        (its parameters; buffers such as BatchNorm's statistics change in the forward pass). An
+        asynchronous save copies those, and the optimizer's state, in its background thread while training
+        computes the next gradients; ``before_update`` waits for that copy.
         """
         self._raise_everywhere(self._wait_for_writer())
         rng_by_rank = gather_to_main(capture_rng(), self.runtime)
@@ -240,8 +250,11 @@ class CheckpointManager:
             raw, described = state.to_dict(), state.manifest(metrics)
             name = checkpoint_name(state.position.step)
             if self.config.async_checkpoint:
+                later: list[tuple[torch.Tensor, torch.Tensor]] = []
+                snapshot = self._snapshot(raw, "", _deferrable(unchanged_until_update), later)
+                self._copied = threading.Event()
                 self._writer = threading.Thread(target=self._write_in_background,
-                                                args=(name, self._snapshot(raw), described),
+                                                args=(name, snapshot, described, later, self._copied),
                                                 name="checkpoint-writer", daemon=False)
                 self._writer.start()
             else:
@@ -252,6 +265,12 @@ class CheckpointManager:
                     error = str(problem)
         if not self.config.async_checkpoint:
             self._raise_everywhere(error)
+
+    def before_update(self) -> None:
+        """Before the optimizer changes the parameters: an asynchronous save's copy of them is complete."""
+        if self._copied is not None:
+            self._copied.wait()
+            self._copied = None
 
     def finish(self) -> None:
         """Wait for a background write and make its failure every rank's error."""
@@ -269,24 +288,38 @@ class CheckpointManager:
             self._writer.join()  # a save still being written belongs to this job's time in the folder
         self.release_lease()
 
-    def _snapshot(self, state: Any, path: str = "") -> Any:
+    def _snapshot(self, state: Any, path: str, deferrable: Callable[[str], bool],
+                  later: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
         """Copy tensors into CPU buffers kept between saves (copy_ into a preallocated tensor is several
-        times faster than clone()), so training can go on changing the originals."""
+        times faster than clone()), so training can go on changing the originals; those ``deferrable``
+        names go to ``later`` instead, for the background thread to copy."""
         if isinstance(state, torch.Tensor):
             buffer = self._buffers.get(path)
             if buffer is None or buffer.shape != state.shape or buffer.dtype != state.dtype:
                 buffer = torch.empty(state.shape, dtype=state.dtype, device="cpu")
                 self._buffers[path] = buffer
-            buffer.copy_(state.detach())
+            if deferrable(path):
+                later.append((buffer, state.detach()))
+            else:
+                buffer.copy_(state.detach())
             return buffer
         if isinstance(state, dict):
-            return type(state)((key, self._snapshot(value, f"{path}/{key}")) for key, value in state.items())
+            return type(state)((key, self._snapshot(value, f"{path}/{key}", deferrable, later))
+                               for key, value in state.items())
         if isinstance(state, list | tuple):
-            return type(state)(self._snapshot(value, f"{path}/{index}") for index, value in enumerate(state))
+            return type(state)(self._snapshot(value, f"{path}/{index}", deferrable, later)
+                               for index, value in enumerate(state))
         return state
 
-    def _write_in_background(self, name: str, state: dict[str, Any], manifest_extra: dict[str, Any]) -> None:
+    def _write_in_background(self, name: str, state: dict[str, Any], manifest_extra: dict[str, Any],
+                             later: list[tuple[torch.Tensor, torch.Tensor]], copied: threading.Event) -> None:
         try:
+            try:
+                for buffer, tensor in later:
+                    buffer.copy_(tensor)
+                self.last_timing.copied_later_bytes = sum(buffer.nbytes for buffer, _ in later)
+            finally:
+                copied.set()  # training may update the parameters now (or after a failed copy: nothing to wait for)
             self._write(name, state, manifest_extra)
         except CheckpointError as problem:
             self._writer_error = str(problem)
@@ -312,7 +345,7 @@ class CheckpointManager:
         self._check_lease()
         # torch.save streams straight into the temporary file (through the checksum): no serialised copy
         # of the whole state in memory, no second pass to hash it.
-        self.storage.write(name, {STATE_FILE: lambda handle: torch.save(state, handle)}, make_manifest)
+        self.storage.write(name, {STATE_FILE: lambda handle: save_state(state, handle)}, make_manifest)
         self.last_timing.write_s = time.perf_counter() - started
         self.last_timing.bytes = written[STATE_FILE]["bytes"]
         self.log.info("checkpoint %s written (%.1f MB in %.2fs)", self.storage.describe(name),
@@ -364,6 +397,19 @@ class CheckpointManager:
             if self.runtime.is_main:
                 raise CheckpointError(error)
             raise CheckpointError(f"rank 0 could not write the checkpoint: {error}")
+
+
+def _deferrable(model_entries: frozenset[str]) -> Callable[[str], bool]:
+    """Which snapshot paths only the optimizer step changes: the given model entries, the optimizer's state."""
+    paths = {f"/model/{name}" for name in model_entries}
+    return lambda path: path in paths or path.startswith("/optimizer/state/")
+
+
+def save_state(state: dict[str, Any], handle: Any) -> None:
+    """torch.save without its own CRC-32 of every record (a zip field no loader checks): the manifest's CRC-32
+    of the whole file guards the same bytes, and the second pass cost 0.03 s per 134 MB on 2 cores."""
+    with serialization_config.patch({"save.compute_crc32": False}):
+        torch.save(state, handle)
 
 
 def _best(committed: list[tuple[str, dict[str, Any]]], monitor: Monitor) -> str | None:

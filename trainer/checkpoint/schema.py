@@ -13,6 +13,7 @@ Older formats are migrated when read; a format this trainer does not know is ref
 
 from __future__ import annotations
 
+import functools
 import platform
 from dataclasses import asdict, dataclass, fields
 from importlib import metadata
@@ -122,6 +123,11 @@ def restore(state: TrainingState, parts: Trainable, rank: int, world_size: int, 
 
 
 def library_versions() -> dict[str, str]:
+    return dict(_library_versions())
+
+
+@functools.cache  # the same for the process's life; reading package metadata took 0.7 ms a save
+def _library_versions() -> dict[str, str]:
     # str(): torch.__version__ is a TorchVersion, a class weights_only loading refuses. torchvision's
     # version comes from its metadata: importing it costs seconds in processes that only save.
     return {
