@@ -99,15 +99,25 @@ def measure(name: str, typed: TrainingState, model: nn.Module, folder: Path, run
     state = typed.to_dict()
     parameters = frozenset(key for key, _ in model.named_parameters())
     batch = torch.randn(32, 3, 32, 32)
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    data = buffer.getvalue()
     log = logging.getLogger("checkpoint-bench")
     sync = CheckpointManager(CheckpointConfig(keep_last=2), str(folder / "sync"), runtime, log)
     background = CheckpointManager(CheckpointConfig(keep_last=2, async_checkpoint=True), str(folder / "async"),
                                    runtime, log)
     for manager in (sync, background):
         manager.prepare()
+    try:
+        return _measure(name, typed, model, state, parameters, batch, folder, sync, background, repeats)
+    finally:
+        for manager in (sync, background):
+            manager.close()  # the folder's lease: released, its renewal stopped before the folder is removed
+
+
+def _measure(name: str, typed: TrainingState, model: nn.Module, state: dict[str, Any], parameters: frozenset[str],
+             batch: torch.Tensor, folder: Path, sync: CheckpointManager, background: CheckpointManager,
+             repeats: int) -> dict[str, Any]:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    data = buffer.getvalue()
     times: dict[str, list[float]] = {key: [] for key in ("raw_write_fsync", "sync_save", "async_blocked",
                                                          "async_total", "async_blocked_all_copied_at_save",
                                                          "forward_backward", "torch_save_to_memory", "crc32",
