@@ -3,7 +3,9 @@
 Efficiency = throughput of 2 ranks / (2 × throughput of 1 process), one thread per process, the
 tutorial ConvNet at batch 128 per rank. Measured twice:
 
-* the trainer itself (1 process, then 2 ranks under torchrun, round after round), the headline;
+* the trainer itself (1 process, then 2 ranks under torchrun, round after round), the headline, and in the
+  same rounds the shortest DDP loop measured exactly alike (its own processes, the same launcher, steps and
+  windows): the trainer's own cost is the difference between these two;
 * a bare loop in phases (bench.workers.phases), where each candidate improvement gets a phase of its own,
   next to two references: rank 0 alone, and two processes that never communicate (what two cores
   give two processes at all: shared caches and memory bandwidth, and others' jobs).
@@ -15,13 +17,17 @@ efficiency, 1-process CPU per sample / CPU per sample here, which waiting of eit
 
 from __future__ import annotations
 
+import json
+import sys
 from itertools import count
 
 from bench.harness.context import Context
+from bench.harness.launch import run as run_command
 from bench.harness.launch import run_trainer
-from bench.harness.measure import interleave, load_average, paired_ratio
+from bench.harness.measure import interleave, load_average, median, paired_ratio
 from bench.harness.phases import Phase, PhaseTimes, Plan, measure
 from bench.harness.results import FigureResult, Goal, Row
+from tests.support.procs import torchrun_command
 
 GOAL = Goal(">=", 0.90)
 TITLE = "Scaling efficiency on CPU"
@@ -46,7 +52,7 @@ INDEPENDENT = Phase("independent", method="none")
 
 def run(ctx: Context) -> FigureResult:
     load_before = load_average()
-    trainer_row, trainer_details = _trainer_efficiency(ctx)
+    trainer_rows, trainer_details = _trainer_efficiency(ctx)
     variants = VARIANTS if not ctx.quick else VARIANTS[:1]
     phases = [SINGLE, INDEPENDENT, *(phase for phase, _ in variants)]
     if any(phase.accum > 1 for phase, _ in variants):
@@ -55,7 +61,7 @@ def run(ctx: Context) -> FigureResult:
     plan = Plan(phases, rounds=ctx.pick(5, 1), steps=ctx.pick(6, 2))
     times = measure(plan, ctx.scratch("scaling-phases"), timeout_s=ctx.pick(600, 240))
 
-    rows = [trainer_row]
+    rows = list(trainer_rows)
     efficiency, cpu_efficiency = {}, {}
     for phase, label in [*variants, (INDEPENDENT, "2 processes that never communicate (the ceiling)")]:
         reference = SINGLE_ACCUM if phase.accum > 1 else SINGLE
@@ -81,20 +87,42 @@ def run(ctx: Context) -> FigureResult:
     return FigureResult(1, "scaling", TITLE, rows, details)
 
 
-def _trainer_efficiency(ctx: Context) -> tuple[Row, dict[str, object]]:
+def _trainer_efficiency(ctx: Context) -> tuple[list[Row], dict[str, object]]:
+    """The trainer's scaling, and in the same rounds the bare DDP loop's measured alike: its own processes
+    under the same launcher, the same data, steps and metrics windows (bench/workers/minimal_loop.py)."""
     steps, log_every = ctx.pick(60, 6), ctx.pick(10, 3)
     args = ["--dataset", "fashion-mnist", "--epochs", "1", "--max-steps", str(steps), "--log-every", str(log_every),
             "--max-test-samples", "512", "--batch-size", "128"]
     runs = count()
+    timeout = ctx.pick(300, 180)
 
-    def throughput(nproc: int | None) -> float:
+    def trainer(nproc: int | None) -> float:
         output = ctx.scratch(f"scaling-trainer-{next(runs)}")
-        return run_trainer(args, output, nproc, timeout_s=ctx.pick(300, 180)).steady_samples_per_s()
+        return run_trainer(args, output, nproc, timeout_s=timeout).steady_samples_per_s()
 
-    values = interleave({"one": lambda: throughput(None), "two": lambda: throughput(2)}, rounds=ctx.pick(3, 1))
+    def bare(nproc: int) -> float:
+        out = ctx.scratch("scaling-bare") / f"windows-{next(runs)}.json"
+        loop = [str(steps), str(log_every), str(out)]
+        run_command(torchrun_command(nproc, "bench.workers.minimal_loop", loop) if nproc > 1
+                    else [sys.executable, "-m", "bench.workers.minimal_loop", *loop], timeout)
+        return median(json.loads(out.read_text())[1:])
+
+    values = interleave({"one": lambda: trainer(None), "two": lambda: trainer(2), "bare_one": lambda: bare(1),
+                         "bare_two": lambda: bare(2)}, rounds=ctx.pick(7, 1))
     ratio = paired_ratio(values["two"], [2 * value for value in values["one"]])
-    row = Row("the trainer: 2 ranks (torchrun) / (2 × 1 process)", ratio.median, GOAL, spread=ratio.spread)
-    return row, {"trainer_samples_per_s": values, "trainer_steps": steps, "trainer_log_every": log_every}
+    bare_ratio = paired_ratio(values["bare_two"], [2 * value for value in values["bare_one"]])
+    same_work = paired_ratio(values["two"], values["bare_two"])
+    rows = [Row("the trainer: 2 ranks (torchrun) / (2 × 1 process)", ratio.median, GOAL, spread=ratio.spread),
+            Row("bare DDP loop measured alike: 2 ranks (torchrun) / (2 × 1 process)", bare_ratio.median, GOAL,
+                spread=bare_ratio.spread,
+                notes=f"the shortest loop (DDP, fused AdamW, data in memory), its own processes, the same steps and "
+                      f"windows as the trainer's; samples/s medians: trainer {median(values['two']):,.0f} and "
+                      f"{median(values['one']):,.0f}, bare loop {median(values['bare_two']):,.0f} and "
+                      f"{median(values['bare_one']):,.0f}"),
+            Row("the trainer's samples/s / the bare DDP loop's, both 2 ranks", same_work.median, Goal(">=", 1.0),
+                spread=same_work.spread, notes="the same work, round by round: what the trainer's own machinery "
+                                                "(loader, metrics, stop vote, heartbeats) costs at 2 ranks")]
+    return rows, {"trainer_samples_per_s": values, "trainer_steps": steps, "trainer_log_every": log_every}
 
 
 def _where_time_went(times: PhaseTimes, phase: str, cpu_efficiency: float) -> str:
