@@ -7,14 +7,12 @@ the first window (start-up, cold caches) left out; a run's value is the median o
 
 from __future__ import annotations
 
-import json
 import sys
 from itertools import count
 
 from bench.harness.context import Context
-from bench.harness.launch import run as run_command
-from bench.harness.launch import run_trainer
-from bench.harness.measure import interleave, load_average, median, paired_ratio
+from bench.harness.launch import fashion_mnist_convnet_args, run_trainer, steady_windows
+from bench.harness.measure import interleave, load_average, paired_ratio
 from bench.harness.results import FigureResult, Goal, Row
 
 TITLE = "Framework overhead (world size 1)"
@@ -24,8 +22,7 @@ GOAL = Goal(">=", 0.97)
 def run(ctx: Context) -> FigureResult:
     load_before = load_average()
     steps, log_every = ctx.pick(100, 6), ctx.pick(10, 3)
-    trainer_args = ["--dataset", "fashion-mnist", "--epochs", "1", "--max-steps", str(steps), "--log-every",
-                    str(log_every), "--max-test-samples", "512", "--batch-size", "128"]
+    trainer_args = fashion_mnist_convnet_args(steps, log_every)
     runs = count()
 
     def trainer() -> float:
@@ -35,8 +32,7 @@ def run(ctx: Context) -> FigureResult:
     def minimal() -> float:
         out = ctx.scratch("overhead-minimal") / f"windows-{next(runs)}.json"
         command = [sys.executable, "-m", "bench.workers.minimal_loop", str(steps), str(log_every), str(out)]
-        run_command(command, ctx.pick(300, 180))
-        return median(json.loads(out.read_text())[1:])
+        return steady_windows(command, out, ctx.pick(300, 180))
 
     # Seven rounds: one run of either varies by ±10% on a shared machine, so three were not enough to settle.
     values = interleave({"minimal": minimal, "trainer": trainer}, rounds=ctx.pick(7, 1))

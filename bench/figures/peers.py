@@ -9,13 +9,11 @@ ratio is taken within a round.
 
 from __future__ import annotations
 
-import json
 import sys
 from itertools import count
 
 from bench.harness.context import Context
-from bench.harness.launch import run as run_command
-from bench.harness.launch import run_trainer
+from bench.harness.launch import fashion_mnist_convnet_args, run_trainer, steady_windows
 from bench.harness.measure import interleave, load_average, median, paired_ratio
 from bench.harness.results import FigureResult, Goal, Row
 from tests.support.procs import torchrun_command
@@ -28,8 +26,7 @@ PEERS = {"accelerate": "Hugging Face Accelerate", "fabric": "Lightning Fabric"}
 def run(ctx: Context) -> FigureResult:
     load_before = load_average()
     steps, log_every = ctx.pick(120, 8), ctx.pick(10, 4)
-    trainer_args = ["--dataset", "fashion-mnist", "--epochs", "1", "--max-steps", str(steps), "--log-every",
-                    str(log_every), "--max-test-samples", "512", "--batch-size", "128"]
+    trainer_args = fashion_mnist_convnet_args(steps, log_every)
     runs = count()
 
     def trainer() -> float:
@@ -39,8 +36,7 @@ def run(ctx: Context) -> FigureResult:
     def peer(name: str) -> float:
         out = ctx.scratch("peers") / f"{name}-{next(runs)}.json"
         command = torchrun_command(2, "bench.workers.peer_loop", [name, str(steps), str(log_every), str(out)])
-        run_command(command, ctx.pick(300, 180))
-        return median(json.loads(out.read_text())[1:])
+        return steady_windows(command, out, ctx.pick(300, 180))
 
     # Seven rounds, interleaved: a slow spell of a shared machine hits all three alike.
     values = interleave({"trainer": trainer, **{name: lambda name=name: peer(name) for name in PEERS}},

@@ -17,13 +17,11 @@ efficiency, 1-process CPU per sample / CPU per sample here, which waiting of eit
 
 from __future__ import annotations
 
-import json
 import sys
 from itertools import count
 
 from bench.harness.context import Context
-from bench.harness.launch import run as run_command
-from bench.harness.launch import run_trainer
+from bench.harness.launch import fashion_mnist_convnet_args, run_trainer, steady_windows
 from bench.harness.measure import interleave, load_average, median, paired_ratio
 from bench.harness.phases import Phase, PhaseTimes, Plan, measure
 from bench.harness.results import FigureResult, Goal, Row
@@ -91,8 +89,7 @@ def _trainer_efficiency(ctx: Context) -> tuple[list[Row], dict[str, object]]:
     """The trainer's scaling, and in the same rounds the bare DDP loop's measured alike: its own processes
     under the same launcher, the same data, steps and metrics windows (bench/workers/minimal_loop.py)."""
     steps, log_every = ctx.pick(60, 6), ctx.pick(10, 3)
-    args = ["--dataset", "fashion-mnist", "--epochs", "1", "--max-steps", str(steps), "--log-every", str(log_every),
-            "--max-test-samples", "512", "--batch-size", "128"]
+    args = fashion_mnist_convnet_args(steps, log_every)
     runs = count()
     timeout = ctx.pick(300, 180)
 
@@ -103,9 +100,8 @@ def _trainer_efficiency(ctx: Context) -> tuple[list[Row], dict[str, object]]:
     def bare(nproc: int) -> float:
         out = ctx.scratch("scaling-bare") / f"windows-{next(runs)}.json"
         loop = [str(steps), str(log_every), str(out)]
-        run_command(torchrun_command(nproc, "bench.workers.minimal_loop", loop) if nproc > 1
-                    else [sys.executable, "-m", "bench.workers.minimal_loop", *loop], timeout)
-        return median(json.loads(out.read_text())[1:])
+        return steady_windows(torchrun_command(nproc, "bench.workers.minimal_loop", loop) if nproc > 1
+                              else [sys.executable, "-m", "bench.workers.minimal_loop", *loop], out, timeout)
 
     values = interleave({"one": lambda: trainer(None), "two": lambda: trainer(2), "bare_one": lambda: bare(1),
                          "bare_two": lambda: bare(2)}, rounds=ctx.pick(7, 1))

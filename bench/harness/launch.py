@@ -64,6 +64,19 @@ def run_trainer(args: Sequence[str], output_dir: Path, nproc: int | None, timeou
     return TrainerRun(launched_at, read_metrics(output_dir / "metrics.jsonl"))
 
 
+def fashion_mnist_convnet_args(steps: int, log_every: int) -> list[str]:
+    """The trainer's side of the loop comparisons (figures 1, 3, 10): the ConvNet on Fashion-MNIST, batch 128 per
+    rank, ``steps`` optimizer steps with a metrics window every ``log_every``."""
+    return ["--dataset", "fashion-mnist", "--epochs", "1", "--max-steps", str(steps), "--log-every", str(log_every),
+            "--max-test-samples", "512", "--batch-size", "128"]
+
+
+def steady_windows(command: Sequence[str], out: Path, timeout_s: float) -> float:
+    """Run a worker that writes its windows' samples/s to ``out`` as JSON; the median after the first window."""
+    run(command, timeout_s)
+    return median(json.loads(out.read_text())[1:])
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise BenchError(f"no metrics at {path}: the run wrote none")
