@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
+
+from trainer.task import map_tensors
 
 __all__ = ["DeviceTuning", "apply_nccl_environment", "choose_tuning", "nccl_environment", "nccl_timeout_advice"]
 
@@ -48,15 +50,8 @@ class DeviceTuning:
         """A batch's 4-D tensors in channels-last layout (after the copy to the device); others unchanged."""
         if not self.channels_last:
             return batch
-        if isinstance(batch, Tensor):
-            return batch.contiguous(memory_format=torch.channels_last) if batch.dim() == 4 else batch
-        if isinstance(batch, Mapping):
-            return {key: self.inputs(value) for key, value in batch.items()}
-        if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
-            return type(batch)(*(self.inputs(value) for value in batch))
-        if isinstance(batch, list | tuple):
-            return type(batch)(self.inputs(value) for value in batch)
-        return batch
+        return map_tensors(batch, lambda tensor: tensor.contiguous(memory_format=torch.channels_last)
+                           if tensor.dim() == 4 else tensor)
 
     def describe(self) -> str:
         return (f"channels-last {'on' if self.channels_last else 'off'}, cuDNN autotuner "

@@ -282,12 +282,17 @@ def batch_size(targets: Any) -> int:
 
 def to_device(batch: Any, device: torch.device) -> Any:
     """Tensors of a nested batch moved to the device (non-blocking: pinned memory overlaps the copy)."""
+    return map_tensors(batch, lambda tensor: tensor.to(device, non_blocking=True))
+
+
+def map_tensors(batch: Any, change: Callable[[Tensor], Tensor]) -> Any:
+    """A nested batch (dicts, lists, tuples, namedtuples) with ``change`` applied to each tensor in it."""
     if isinstance(batch, Tensor):
-        return batch.to(device, non_blocking=True)
+        return change(batch)
     if isinstance(batch, Mapping):
-        return {key: to_device(value, device) for key, value in batch.items()}
+        return {key: map_tensors(value, change) for key, value in batch.items()}
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
-        return type(batch)(*(to_device(value, device) for value in batch))
+        return type(batch)(*(map_tensors(value, change) for value in batch))
     if isinstance(batch, list | tuple):
-        return type(batch)(to_device(value, device) for value in batch)
+        return type(batch)(map_tensors(value, change) for value in batch)
     return batch
