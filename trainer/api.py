@@ -50,7 +50,7 @@ from trainer.errors import (
     first_line,
     user_message,
 )
-from trainer.gpu import apply_nccl_environment, nccl_timeout_advice
+from trainer.gpu import apply_nccl_environment, checkpoint_layout, nccl_timeout_advice
 from trainer.loop import Trainer
 from trainer.preemption import PreemptionWatcher
 from trainer.redact import redact
@@ -128,7 +128,8 @@ def _prepare_and_fit(config: Config, spec: TaskSpec, runtime: Runtime, checkpoin
     if loaded is not None:
         for change in check_resume(loaded, config, spec):
             log.info("resuming with a change: %s", change)
-    setup = build_training(config, spec, runtime)
+    setup = build_training(config, spec, runtime,
+                           None if loaded is None else checkpoint_layout(loaded.state.model))
     trainer = Trainer(config, runtime, setup, checkpoints, watcher, log)
     try:
         if loaded is not None:

@@ -124,7 +124,9 @@ def first(dataset: Dataset[Any], count: int) -> Dataset[Any]:
     return head(count) if callable(head) else Subset(dataset, range(count))
 
 
-def build_training(config: Config, spec: TaskSpec, runtime: Runtime) -> TrainingSetup:
+def build_training(config: Config, spec: TaskSpec, runtime: Runtime,
+                   trained_channels_last: bool | None = None) -> TrainingSetup:
+    """``trained_channels_last``: the memory layout of the checkpoint this run resumes (None: a fresh start)."""
     identity, device, seed = runtime.identity, runtime.device, config.train.seed
     task = agreed(runtime, lambda: spec.create(config.task_options), TaskError)
     data = agreed(runtime, lambda: _task_data(spec, task, TaskContext(runtime, seed)), TaskError,
@@ -155,7 +157,14 @@ def build_training(config: Config, spec: TaskSpec, runtime: Runtime) -> Training
             log.info("--sync-bn: %d BatchNorm layer(s) of the model synchronised across %d ranks", layers,
                      identity.world_size)
     model = model.to(device)
-    tuning = choose_tuning(config.model.channels_last, config.model.cudnn_benchmark, device, model)
+    tuning = choose_tuning(config.model.channels_last, config.model.cudnn_benchmark, device, model,
+                           trained_channels_last)
+    if trained_channels_last is not None and tuning.channels_last != trained_channels_last and identity.is_main:
+        log.warning("--channels-last %s: the checkpoint was trained channels-last %s and this run trains %s; the "
+                    "convolutions' results change in their last bits, so training goes on correctly but not "
+                    "bitwise like an uninterrupted run (--channels-last auto keeps the checkpoint's layout)",
+                    config.model.channels_last, "on" if trained_channels_last else "off",
+                    "on" if tuning.channels_last else "off")
     model = tuning.apply(model)
     if device.type == "cuda" and identity.is_main:
         log.info("GPU settings: %s", tuning.describe())

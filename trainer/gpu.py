@@ -18,7 +18,8 @@ from torch import nn
 
 from trainer.task import map_tensors
 
-__all__ = ["DeviceTuning", "apply_nccl_environment", "choose_tuning", "nccl_environment", "nccl_timeout_advice"]
+__all__ = ["DeviceTuning", "apply_nccl_environment", "checkpoint_layout", "choose_tuning", "nccl_environment",
+           "nccl_timeout_advice"]
 
 # The flight recorder's dumps, one file per rank, under the run's output folder.
 FLIGHT_RECORDER_DIR = "nccl-flight-recorder"
@@ -58,15 +59,32 @@ class DeviceTuning:
                 f"{'on' if self.cudnn_benchmark else 'off'}")
 
 
-def choose_tuning(channels_last: str, cudnn_benchmark: str, device: torch.device, model: nn.Module) -> DeviceTuning:
+def choose_tuning(channels_last: str, cudnn_benchmark: str, device: torch.device, model: nn.Module,
+                  trained_channels_last: bool | None = None) -> DeviceTuning:
     """``auto`` means: on CUDA, channels-last for a model with 2-D convolutions and the autotuner for any
     model (a run's input shapes repeat: the one-off timing pays back within steps). Off on the CPU, where
     cuDNN does not run and NHWC changes the arithmetic's order: CPU runs keep their exact numbers, and a
-    checkpoint written before this option resumes bitwise; ``on`` asks for NHWC there too."""
+    checkpoint written before this option resumes bitwise; ``on`` asks for NHWC there too.
+
+    ``trained_channels_last``: the layout the checkpoint being resumed was trained in (``checkpoint_layout``).
+    ``auto`` keeps it, whatever the device: a convolution's results differ in their last bits between the two
+    layouts, so only the checkpoint's layout continues bitwise like an uninterrupted run (a GPU checkpoint
+    resumed on CPU stays channels-last). ``on`` and ``off`` are obeyed."""
     cuda = device.type == "cuda"
     has_conv = any(isinstance(module, nn.Conv2d) for module in model.modules())
-    return DeviceTuning(channels_last=_decide(channels_last, cuda and has_conv),
+    automatic = cuda and has_conv if trained_channels_last is None else trained_channels_last
+    return DeviceTuning(channels_last=_decide(channels_last, automatic),
                         cudnn_benchmark=_decide(cudnn_benchmark, cuda))
+
+
+def checkpoint_layout(model_state: Mapping[str, Any]) -> bool:
+    """Whether a saved model state was trained channels-last: its 4-D weights keep the layout they had (torch.save
+    and the asynchronous save's buffers keep strides). A weight whose layout is ambiguous (1x1 kernels of one
+    channel are both) says nothing; a model without 4-D weights is not channels-last."""
+    for tensor in model_state.values():
+        if isinstance(tensor, torch.Tensor) and tensor.dim() == 4 and not tensor.is_contiguous():
+            return tensor.is_contiguous(memory_format=torch.channels_last)
+    return False
 
 
 def _decide(setting: str, auto: bool) -> bool:

@@ -46,4 +46,25 @@ OPTIMIZERS.add("sgd", _sgd, "SGD with momentum, fused where PyTorch has the kern
 
 
 def build_optimizer(config: OptimConfig, params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    return OPTIMIZERS.get(config.optimizer)(list(params), lr, config)
+    optimizer = OPTIMIZERS.get(config.optimizer)(list(params), lr, config)
+    optimizer.register_load_state_dict_post_hook(lay_out_state_like_parameters)
+    return optimizer
+
+
+def lay_out_state_like_parameters(optimizer: torch.optim.Optimizer) -> None:
+    """Give each per-parameter state tensor (AdamW's moments, SGD's momentum) its parameter's memory layout.
+
+    ``load_state_dict`` keeps the strides the state was saved with; a checkpoint written from channels-last
+    parameters and loaded into contiguous ones (or the reverse: another --channels-last, a GPU checkpoint
+    resumed on CPU) would leave them differing. The fused kernels assume one layout for all their operands:
+    on CPU they then compute a wrong update, silently; on CUDA they refuse with an error. Values are kept,
+    only their order in memory changes."""
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            state = optimizer.state.get(parameter)
+            if not state:
+                continue
+            for key, value in state.items():
+                if (isinstance(value, torch.Tensor) and value.shape == parameter.shape and value.dim() > 1
+                        and value.stride() != parameter.stride()):
+                    state[key] = torch.empty_like(parameter, dtype=value.dtype).copy_(value)

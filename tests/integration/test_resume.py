@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support.checkpoints import assert_same_tensors, newest_checkpoint, summary, wait_for_checkpoint
 from tests.support.procs import REPO_ROOT, TORCHRUN, clean_env, free_port, torchrun
@@ -129,3 +131,32 @@ def _rank_of(pid: int) -> int | None:
         if entry.startswith(b"RANK="):
             return int(entry[5:])
     return None
+
+
+def test_a_channels_last_async_run_with_the_fused_optimizer_resumes_bitwise_in_its_layout(tmp_path):
+    """Channels-last parameters (as on a GPU), the fused AdamW (the default) and asynchronous saves: the
+    optimizer's moments are saved and restored in their parameters' layout. The resume passes
+    --channels-last auto, which on this CPU would mean off: it keeps the checkpoint's layout, as a GPU
+    checkpoint resumed on a CPU does, and ends bitwise like the uninterrupted run."""
+    layout = ["--channels-last", "on", "--async-checkpoint"]
+    reference = uninterrupted(tmp_path / "reference", 2, *layout)
+    assert reference["model"]["features.0.weight"].is_contiguous(memory_format=torch.channels_last)
+    stopped = torchrun(run_args(tmp_path / "run", *layout, "--max-steps", "9"), nproc=2)
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    _, manifest, state = newest_checkpoint(tmp_path / "run" / "checkpoints")
+    assert manifest["step"] == 9 and manifest["samples_in_epoch"] > 0
+    moments = [value for entry in state["optimizer"]["state"].values() for value in entry.values()
+               if isinstance(value, torch.Tensor) and value.dim() == 4]
+    assert moments and all(m.is_contiguous(memory_format=torch.channels_last) for m in moments)
+    shutil.copytree(tmp_path / "run" / "checkpoints", tmp_path / "switched" / "checkpoints")
+    resumed = torchrun(run_args(tmp_path / "run", "--channels-last", "auto", "--async-checkpoint"), nproc=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert summary(tmp_path / "run")["resumed_from"].endswith("step-00000009")
+    assert_same_tensors(final_state(tmp_path / "run"), reference)
+    # Asked for the other layout, the resume obeys and says what that costs.
+    switched = torchrun(run_args(tmp_path / "switched", "--channels-last", "off"), nproc=2)
+    assert switched.returncode == 0, switched.stderr[-3000:]
+    assert "the checkpoint was trained channels-last on and this run trains off" in switched.stderr
+    final = final_state(tmp_path / "switched")
+    assert final["model"]["features.0.weight"].is_contiguous()
+    assert all(value.is_contiguous() for entry in final["optimizer"]["state"].values() for value in entry.values())

@@ -295,8 +295,11 @@ class CheckpointManager:
         names go to ``later`` instead, for the background thread to copy."""
         if isinstance(state, torch.Tensor):
             buffer = self._buffers.get(path)
-            if buffer is None or buffer.shape != state.shape or buffer.dtype != state.dtype:
-                buffer = torch.empty(state.shape, dtype=state.dtype, device="cpu")
+            if (buffer is None or buffer.shape != state.shape or buffer.dtype != state.dtype
+                    or buffer.stride() != state.stride()):
+                # Laid out like the original (channels-last stays channels-last), as a synchronous save writes
+                # it: a resume must find the optimizer's state in its parameters' layout (trainer.optimizers).
+                buffer = torch.empty_like(state, device="cpu")
                 self._buffers[path] = buffer
             if deferrable(path):
                 later.append((buffer, state.detach()))
