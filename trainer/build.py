@@ -89,7 +89,7 @@ def training_loader(dataset: Dataset[Any], world_size: int, rank: int, batch_siz
                     ) -> tuple[DataLoader[Any], ResumableDistributedSampler]:
     """The trainer's training loader over a map-style dataset, and its sampler (``set_epoch`` before each
     epoch): one global order per epoch, resumable at any sample and world size, each item seeded."""
-    sampler = ResumableDistributedSampler(dataset, world_size, rank, seed)
+    sampler = ResumableDistributedSampler(dataset, world_size, rank, seed, batch_size)
     loader = _loader(SeededItems(dataset, seed, deterministic_items), sampler, batch_size, num_workers, seed,
                      pin_memory, checked_collate(collate_fn, where))
     return loader, sampler

@@ -7,6 +7,7 @@ import logging
 import math
 import time
 from contextlib import nullcontext
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from trainer.position import TrainingPosition
 from trainer.preemption import PreemptionWatcher
 from trainer.redact import redacted
 from trainer.report import MetricsWriter, ProgressDisplay
-from trainer.task import batch_size, call_task, to_device
+from trainer.task import call_task, to_device
 
 Metrics = dict[str, float]
 
@@ -129,10 +130,15 @@ class Trainer:
             self.train_metrics.reset()
             window_started = time.perf_counter()
             batch_order = self._batch_order() if self._sample_log else None
+            shares = setup.train_sampler.batch_shares()
             micro = 0
+            step_samples = 0
             for index, (inputs, targets) in enumerate(setup.train_loader):
                 group_size = min(accum, batches - (index - micro))
                 final_micro = micro + 1 == group_size
+                if micro == 0:  # every rank's real samples in this optimizer step: known here, no collective
+                    step_samples = sum(size for _, size in shares[index:index + group_size])
+                mine, global_samples = shares[index]
                 inputs, targets = setup.inputs_on_device(inputs), to_device(targets, runtime.device)
                 if not primed:
                     self._prime_gradient_sync(inputs, targets)
@@ -142,13 +148,13 @@ class Trainer:
                     with setup.autocast():
                         outputs = setup.model(inputs)
                         loss = setup.task.loss(outputs, targets)
-                    setup.scaler.scale(loss / group_size).backward()
-                self.train_metrics.update(loss.detach(), detached(outputs), targets)
+                    setup.scaler.scale(share_of_step(loss, mine, world_size, step_samples)).backward()
+                if mine:  # a placeholder batch trains nothing and counts in no metric
+                    self.train_metrics.update(loss.detach(), detached(outputs), targets)
                 if batch_order is not None:
-                    self._record_samples(batch_order[index])
-                samples = batch_size(targets) * world_size
-                self.position.samples_in_epoch = min(train_size, self.position.samples_in_epoch + samples)
-                self.position.samples_seen += samples
+                    self._record_samples(batch_order[index][:mine])
+                self.position.samples_in_epoch = min(train_size, self.position.samples_in_epoch + global_samples)
+                self.position.samples_seen += global_samples
                 micro += 1
                 if not final_micro:
                     continue
@@ -267,6 +273,19 @@ class Trainer:
         self.metrics.close()
         if self._sample_log is not None:
             self._sample_log.close()
+
+
+def share_of_step(loss: Tensor, mine: int, world_size: int, step_samples: int) -> Tensor:
+    """This micro-batch's loss (a mean over its ``mine`` samples) weighted so that, once the gradient sync
+    averages the ranks, the step's gradient is the mean over the ``step_samples`` real samples of all ranks
+    and micro-batches, as one process would compute it: weight ``world_size * mine / step_samples``.
+
+    A full step's weight is 1/micro-batches, applied as the division it always was (the same bits as before
+    uneven steps existed); a placeholder batch (``mine`` 0) counts zero."""
+    weight = Fraction(world_size * mine, step_samples)
+    if weight.numerator == 1:
+        return loss / weight.denominator
+    return loss * (weight.numerator / weight.denominator)
 
 
 def stop_workers(loader: DataLoader[Any]) -> None:

@@ -13,7 +13,6 @@ resized run sees exactly the items an uninterrupted one would.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
@@ -29,16 +28,22 @@ EVAL_EPOCH = -1  # the evaluation set's items are seeded as an epoch of their ow
 
 
 class ResumableDistributedSampler(DistributedSampler):
-    """DistributedSampler whose epoch can start at a global sample position.
+    """DistributedSampler whose epoch can start at a global sample position, and which never repeats a sample.
 
     As in DistributedSampler, ``set_epoch`` must be called every epoch (the trainer does):
     the permutation is seeded by ``seed + epoch``, so every rank agrees on it and every
-    epoch differs. The remainder is padded by repeating its first samples so that every
-    rank gets the same number of batches (uneven counts would hang the collectives).
+    epoch differs. Global batches hold ``world_size * batch_size`` samples; the epoch's last one may hold
+    fewer, dealt round-robin like the others, so ranks end with uneven shares and none is repeated. A rank
+    left with nothing in that last batch gets one placeholder item (the remainder's first sample) so that
+    every rank runs the same number of steps and the collectives stay aligned; ``batch_shares`` says which
+    of this rank's batches count how many samples, and the trainer gives the placeholder a weight of zero.
     """
 
-    def __init__(self, dataset: Sized, num_replicas: int, rank: int, seed: int) -> None:
+    def __init__(self, dataset: Sized, num_replicas: int, rank: int, seed: int, batch_size: int = 1) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=False)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.batch_size = batch_size
         self.start_sample = 0
         self._refresh_sizes()
 
@@ -50,9 +55,21 @@ class ResumableDistributedSampler(DistributedSampler):
         self._refresh_sizes()
 
     def _refresh_sizes(self) -> None:
+        shares = self.batch_shares()
+        self.num_samples = sum(max(mine, 1) if mine < self.batch_size else mine for mine, _ in shares)
+        self.total_size = len(self.dataset) - self.start_sample
+
+    def batch_shares(self) -> list[tuple[int, int]]:
+        """For each of this rank's batches this epoch, from the start sample on: (the real samples it holds,
+        the real samples of its global batch across all ranks). The same number of batches on every rank;
+        a share of 0 is a placeholder batch."""
         remaining = len(self.dataset) - self.start_sample
-        self.num_samples = math.ceil(remaining / self.num_replicas)
-        self.total_size = self.num_samples * self.num_replicas
+        per_global = self.num_replicas * self.batch_size
+        shares = []
+        for first in range(0, remaining, per_global):
+            size = min(per_global, remaining - first)
+            shares.append((len(range(self.rank, size, self.num_replicas)), size))
+        return shares
 
     def epoch_order(self) -> list[int]:
         generator = torch.Generator()
@@ -63,10 +80,12 @@ class ResumableDistributedSampler(DistributedSampler):
         remaining = self.epoch_order()[self.start_sample:]
         if not remaining:
             return iter([])
-        padding = self.total_size - len(remaining)
-        padded = remaining + (remaining * math.ceil(padding / len(remaining)))[:padding]
+        mine = remaining[self.rank::self.num_replicas]
+        shares = self.batch_shares()
+        if shares[-1][0] == 0:  # nothing of the last global batch is this rank's: a placeholder to step with
+            mine.append(remaining[0])
         offset = self.epoch * len(self.dataset)
-        return iter([offset + index for index in padded[self.rank:self.total_size:self.num_replicas]])
+        return iter([offset + index for index in mine])
 
     def __len__(self) -> int:
         return self.num_samples

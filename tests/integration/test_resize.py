@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.support.checkpoints import summary
+from tests.support.checkpoints import newest_checkpoint, summary
 from tests.support.procs import run, torchrun
 from tests.support.sample_logs import global_order
 from trainer.sampler import ResumableDistributedSampler
@@ -57,3 +58,44 @@ def test_after_a_resize_the_learning_rate_is_the_uninterrupted_runs_at_the_same_
     assert len(after_the_resize) == (SIZE - STOP_AT * BATCH * 2) // (BATCH * 2)  # every step of the 2-rank run
     assert len({reference[samples] for samples in after_the_resize}) > 1, "the rate changes along the way"
     assert [resized[samples] for samples in after_the_resize] == [reference[samples] for samples in after_the_resize]
+
+
+# The ledger task (tests.support.tasks): 98 samples, never divided evenly by 3 ranks x 4; with 3 ranks the epoch's
+# last global batch holds 2 samples, so rank 2 has nothing in it (a placeholder step of weight zero).
+LEDGER = ["--task", "tests.support.tasks:LedgerTask", "--batch-size", "4", "--epochs", "1", "--optimizer", "sgd",
+          "--momentum", "0", "--lr", "1", "--schedule", "constant", "--progress", "off", "--no-tensorboard",
+          "--sample-log"]
+
+
+def ledger(output: Path) -> torch.Tensor:
+    """How far each sample's number moved: minus the sum of its weights in the steps that trained it."""
+    _, manifest, state = newest_checkpoint(output / "checkpoints")
+    assert manifest["epoch"] == 1 and manifest["samples_in_epoch"] == 0, "the epoch is complete"
+    return -state["model"]["weight"].flatten().double()
+
+
+def assert_each_sample_trained_once(weights: torch.Tensor, step_sizes: list[int]) -> None:
+    """Each step of N real samples gives each of them the weight 1/N: the mean over real samples."""
+    expected = torch.tensor(sorted(1 / size for size in step_sizes for _ in range(size)), dtype=torch.float64)
+    assert torch.allclose(weights.sort().values, expected, rtol=1e-5, atol=0), (weights.tolist(), step_sizes)
+
+
+def test_every_sample_is_trained_exactly_once_at_world_sizes_that_do_not_divide_the_epoch(tmp_path):
+    """3 ranks x 4: 8 steps of 12 samples, then one of 2 (ranks 0 and 1 train one sample each, rank 2 none)."""
+    result = torchrun([*LEDGER, "--output-dir", str(tmp_path)], nproc=3)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_each_sample_trained_once(ledger(tmp_path), [12] * 8 + [2])
+    trained = global_order(tmp_path, 3, 0, 10**9)
+    assert trained == ResumableDistributedSampler(range(98), 1, 0, seed=0).epoch_order()  # the log: trained only
+
+
+def test_every_sample_is_trained_once_across_a_resize_with_gradient_accumulation(tmp_path):
+    """3 ranks, 2 micro-batches a step (24 samples), stopped after 2 steps; resumed with 2 ranks (16 a step):
+    50 samples left, 3 full steps and a last one of 2 samples in one micro-batch (one per rank)."""
+    accumulate = [*LEDGER, "--grad-accum-steps", "2", "--output-dir", str(tmp_path)]
+    first = torchrun([*accumulate, "--max-steps", "2"], nproc=3)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = torchrun(accumulate, nproc=2)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert summary(tmp_path)["resumed_from"].endswith("step-00000002")
+    assert_each_sample_trained_once(ledger(tmp_path), [24] * 2 + [16] * 3 + [2])

@@ -13,5 +13,7 @@ def global_order(output: Path, world_size: int, first_step: int, last_step: int)
         records = [json.loads(line) for line in (output / f"samples-rank{rank}.jsonl").read_text().splitlines()]
         per_rank.append([index for record in records if first_step <= record["step"] < last_step
                          for index in record["indices"]])
-    assert len({len(indices) for indices in per_rank}) == 1, "ranks consumed different numbers of samples"
-    return [indices[i] for i in range(len(per_rank[0])) for indices in per_rank]
+    # An epoch's last global batch may leave ranks uneven shares (at most one sample apart, the lower ranks first).
+    longest = max(len(indices) for indices in per_rank)
+    assert all(longest - len(indices) <= 1 for indices in per_rank), [len(indices) for indices in per_rank]
+    return [indices[i] for i in range(longest) for indices in per_rank if i < len(indices)]

@@ -36,10 +36,19 @@ def test_set_epoch_changes_the_order_and_every_rank_agrees():
     assert sorted(global_sequence(second)) == list(range(50))
 
 
-def test_uneven_sizes_are_padded_so_every_rank_has_the_same_count():
-    orders = rank_orders(10, 3, epoch=0)
-    assert [len(order) for order in orders] == [4, 4, 4]
-    assert set(sum(orders, [])) == set(range(10))
+def test_uneven_sizes_are_dealt_without_repeats_and_a_rank_with_nothing_steps_on_a_placeholder():
+    # 10 samples, 3 ranks, 2 per rank: a global batch of 6, then one of 4 dealt round-robin (2, 1, 1);
+    # 11 samples, 4 per rank: one batch of 11 (4, 4, 3).
+    for size, batch, shares in ((10, 2, [[(2, 6), (2, 4)], [(2, 6), (1, 4)], [(2, 6), (1, 4)]]),
+                                (11, 4, [[(4, 11)], [(4, 11)], [(3, 11)]])):
+        samplers = [ResumableDistributedSampler(range(size), 3, rank, seed=0, batch_size=batch) for rank in range(3)]
+        assert [sampler.batch_shares() for sampler in samplers] == shares
+        real = [key for sampler in samplers for key in list(sampler)[:sum(mine for mine, _ in sampler.batch_shares())]]
+        assert sorted(real) == list(range(size))
+    # 7 samples, 3 ranks, 2 per rank: 6, then 1: ranks 1 and 2 have nothing left and get one placeholder each.
+    samplers = [ResumableDistributedSampler(range(7), 3, rank, seed=0, batch_size=2) for rank in range(3)]
+    assert [sampler.batch_shares()[-1] for sampler in samplers] == [(1, 1), (0, 1), (0, 1)]
+    assert [len(list(sampler)) for sampler in samplers] == [len(sampler) for sampler in samplers] == [3, 3, 3]
 
 
 @pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2), (2, 3), (3, 2)])
