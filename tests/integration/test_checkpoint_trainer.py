@@ -4,6 +4,7 @@ which touches a good checkpoint."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -11,12 +12,14 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support.checkpoint_files import break_checkpoint, checkpoint_bytes
 from tests.support.checkpoints import assert_same_tensors, newest_checkpoint, summary
 from tests.support.mounts import mount_tmpfs
 from tests.support.procs import run
-from trainer.checkpoint import open_storage, verify
+from trainer.checkpoint import TrainingState, open_storage, verify
+from trainer.checkpoint.manager import save_state
 from trainer.errors import EXIT_USAGE
 from trainer.main import main
 from trainer.models import build_model
@@ -180,14 +183,38 @@ FORMAT_2_RUN = ["--dataset", "synthetic", "--synthetic-shape", "1,8,8", "--synth
                 "--model", "convnet", "--progress", "off", "--no-tensorboard"]
 
 
-def test_a_checkpoint_of_the_previous_format_resumes_and_ends_like_an_uninterrupted_run(tmp_path):
+def as_format_3(loaded_state: TrainingState, checkpoint_dir: Path) -> None:
+    """Write a (migrated) state as this trainer writes checkpoints: format 3, a manifest over its file."""
+    name = f"step-{loaded_state.position.step:08d}"
+
+    def manifest(files: dict) -> bytes:
+        return json.dumps({"format": 3, **loaded_state.manifest(None), "files": files}).encode()
+
+    files = {"state.pt": lambda handle: save_state(loaded_state.to_dict(), handle)}
+    open_storage(str(checkpoint_dir)).write(name, files, manifest)
+
+
+def test_a_checkpoint_of_the_previous_format_migrates_its_tensors_exactly_and_resumes_like_its_migration(tmp_path):
+    """The fixture's five steps were computed on another machine, whose CPU may round differently from this one:
+    nothing computed here is compared with anything computed there. What is proved: (1) migration keeps every
+    tensor and value of the fixture; (2) resuming the format-2 folder trains exactly as resuming the same
+    state written in format 3 by this trainer, on this machine."""
+    raw = torch.load(FORMAT_2 / "step-00000005" / "state.pt", map_location="cpu", weights_only=True)
+    migrated = verify(open_storage(str(FORMAT_2)), "step-00000005").state
+    assert_same_tensors(migrated.model, raw["model"])
+    assert_same_tensors(migrated.optimizer, raw["optimizer"])
+    assert_same_tensors(migrated.grad_scaler, raw["scaler"])
+    assert_same_tensors(migrated.rng, raw["rng"])
+    assert migrated.position.to_dict() == {key: value for key, value in raw["position"].items()
+                                           if key != "best_accuracy"}
+    assert (migrated.position.step, migrated.world_size, migrated.task.options["model"]) == (5, 1, "convnet")
+
     shutil.copytree(FORMAT_2, tmp_path / "old" / "checkpoints")
-    assert run([sys.executable, "-m", "trainer", *FORMAT_2_RUN, "--output-dir", str(tmp_path / "old")]).returncode == 0
-    # Format 2's AdamW ran the per-tensor kernel; its optimizer state says so, and the resume keeps it.
-    fresh = run([sys.executable, "-m", "trainer", *FORMAT_2_RUN, "--no-fused-optimizer", "--output-dir",
-                 str(tmp_path / "new")])
-    assert fresh.returncode == 0, fresh.stderr[-3000:]
-    assert summary(tmp_path / "old")["resumed_from"].endswith("step-00000005")
+    as_format_3(migrated, tmp_path / "new" / "checkpoints")
+    for run_dir in ("old", "new"):
+        result = run([sys.executable, "-m", "trainer", *FORMAT_2_RUN, "--output-dir", str(tmp_path / run_dir)])
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert summary(tmp_path / run_dir)["resumed_from"].endswith("step-00000005")
     old_name, old_manifest, old_state = newest_checkpoint(tmp_path / "old" / "checkpoints")
     new_name, _, new_state = newest_checkpoint(tmp_path / "new" / "checkpoints")
     assert old_name == new_name == "step-00000016" and old_manifest["format"] == 3
