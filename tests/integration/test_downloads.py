@@ -58,20 +58,34 @@ def test_nodes_downloading_into_one_folder_download_once_and_no_reader_sees_half
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}/"
     seen_partial: list[str] = []
+    reader_failed: list[BaseException] = []
+    files_read = Counter()
     stop = threading.Event()
 
+    def visible_files() -> list[Path]:
+        """The finished files a reader can see; staging folders come and go under the walk (a vanished one
+        ends this walk, not the reader: the next walk sees the folder as it is then)."""
+        try:
+            return [path for path in shared.rglob("*")
+                    if not any(part.startswith(".") for part in path.relative_to(shared).parts) and path.is_file()]
+        except FileNotFoundError:
+            return []
+
     def read_everything_visible() -> None:  # a node reading the folder while the others download
-        while not stop.is_set():
-            for path in shared.rglob("*"):
-                if any(part.startswith(".") for part in path.relative_to(shared).parts) or not path.is_file():
-                    continue
-                try:
-                    content = path.read_bytes()
-                except FileNotFoundError:
-                    continue
-                if content != whole.get(path.name):
-                    seen_partial.append(f"{path.relative_to(shared)}: {len(content)} bytes")
-            time.sleep(0.002)
+        try:
+            while not stop.is_set():
+                for path in visible_files():
+                    try:
+                        content = path.read_bytes()
+                    except FileNotFoundError:
+                        continue
+                    files_read[path.name] += 1
+                    if content != whole.get(path.name):
+                        seen_partial.append(f"{path.relative_to(shared)}: {len(content)} bytes")
+                time.sleep(0.002)
+        except BaseException as error:  # a checker that dies must fail the test, not leave it unchecked
+            reader_failed.append(error)
+            raise
 
     reader = threading.Thread(target=read_everything_visible, daemon=True)
     reader.start()
@@ -87,8 +101,10 @@ def test_nodes_downloading_into_one_folder_download_once_and_no_reader_sees_half
         server.shutdown()
         server.server_close()
     reader.join(timeout=10)
+    assert not reader.is_alive() and reader_failed == [], f"the reader stopped checking: {reader_failed!r}"
     assert [node.returncode for node in nodes] == [0] * NODES, [err[-2000:] for _, err in outcomes]
     assert seen_partial == []
+    assert files_read, "the reader never saw a finished file: it checked nothing"
     assert dict(requests) == dict.fromkeys(whole.keys() & {p.name for p in site.iterdir()}, 1), "one download each"
     assert holds_dataset(local_filesystem(), str(shared), SPECS["mnist"])
     assert sorted(path.name for path in shared.iterdir()) == [".download-mnist.lock", "MNIST"], "no staging left"
