@@ -16,14 +16,14 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from trainer.config import Config
 from trainer.distributed import Runtime, agreed
-from trainer.errors import TaskError
+from trainer.errors import TaskError, described
 from trainer.evaluation import MetricSet
 from trainer.gpu import DeviceTuning, choose_tuning
 from trainer.gradsync import GradSync, build_grad_sync
 from trainer.items import checked_collate
 from trainer.optimizers import build_optimizer
 from trainer.preemption import ignore_stop_signals_in_worker
-from trainer.rng import seed_everything
+from trainer.rng import isolated, seed_everything
 from trainer.sampler import EVAL_EPOCH, ResumableDistributedSampler, SeededItems, ShardSampler
 from trainer.schedule import LRSchedule
 from trainer.syncbn import convert_sync_batchnorm
@@ -57,10 +57,7 @@ class TrainingSetup:
         return self.tuning.inputs(to_device(batch, self.device))
 
     def autocast(self) -> AbstractContextManager[object]:
-        if self.precision == "fp32":
-            return nullcontext()
-        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
-        return torch.autocast(device_type=self.device.type, dtype=dtype)
+        return autocast_for(self.precision, self.device)
 
     def new_metrics(self) -> dict[str, Any]:
         """A fresh set of the task's metrics (one per training window set, one for evaluation)."""
@@ -166,6 +163,9 @@ def build_training(config: Config, spec: TaskSpec, runtime: Runtime,
                     config.model.channels_last, "on" if trained_channels_last else "off",
                     "on" if tuning.channels_last else "off")
     model = tuning.apply(model)
+    if tuning.channels_last:
+        tuning = agreed(runtime, lambda: _layout_that_runs(config, spec, model, tuning, train_loader, device),
+                        TaskError)
     if device.type == "cuda" and identity.is_main:
         log.info("GPU settings: %s", tuning.describe())
     seed_everything(seed + identity.rank)
@@ -188,6 +188,59 @@ def build_training(config: Config, spec: TaskSpec, runtime: Runtime,
     # A metric that cannot be reduced, or a monitored one that does not exist, fails now, not at evaluation.
     agreed(runtime, lambda: _check_monitor(spec, setup.new_metrics()), TaskError)
     return setup
+
+
+def autocast_for(precision: str, device: torch.device) -> AbstractContextManager[object]:
+    if precision == "fp32":
+        return nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def _layout_that_runs(config: Config, spec: TaskSpec, model: nn.Module, tuning: DeviceTuning,
+                      loader: DataLoader[Any], device: torch.device) -> DeviceTuning:
+    """Channels-last, unless the model cannot run in it: a forward pass that flattens a convolution's output
+    with ``.view()`` fails on a channels-last tensor (``.reshape()`` or ``flatten`` would not). Tried now, on
+    one training sample (evaluation mode, no gradients, the random generators restored), before anything is
+    trained: under ``auto`` the run falls back to the default layout with a warning, under ``on`` it stops with
+    one line. A model that fails in both layouts is left to the first-batch check, which names its error."""
+    failure = _forward_fails(config, model, tuning, loader, device)
+    if failure is None:
+        return tuning
+    plain = DeviceTuning(channels_last=False, cudnn_benchmark=tuning.cudnn_benchmark)
+    model.to(memory_format=torch.contiguous_format)
+    if _forward_fails(config, model, plain, loader, device) is not None:
+        model.to(memory_format=torch.channels_last)
+        return tuning
+    reason = f"the model's forward pass fails in channels-last memory layout ({described(failure)})"
+    if config.model.channels_last == "on":
+        raise TaskError(f"task {spec.describe()}: --channels-last on: {reason}; pass --channels-last off (or make "
+                        f"the model use .reshape() or torch.flatten where it calls .view())")
+    log.warning("task %s: %s; training in the default layout instead (--channels-last off skips this check; "
+                ".reshape() or torch.flatten instead of .view() would let it use channels-last)", spec.describe(),
+                reason)
+    return plain
+
+
+def _forward_fails(config: Config, model: nn.Module, tuning: DeviceTuning, loader: DataLoader[Any],
+                   device: torch.device) -> Exception | None:
+    dataset = loader.dataset
+    assert isinstance(dataset, SeededItems)
+    try:
+        with isolated(), torch.no_grad():
+            batch = loader.collate_fn(dataset.__getitems__([0]))
+            inputs = tuning.inputs(to_device(batch[0], device))
+    except Exception:  # noqa: BLE001 - a broken dataset is the first-batch check's to report, with its index
+        return None
+    model.eval()
+    try:
+        with isolated(), torch.no_grad(), autocast_for(config.optim.precision, device):
+            model(inputs)
+    except Exception as error:  # noqa: BLE001 - any failure: the other layout decides what it means
+        return error
+    finally:
+        model.train()
+    return None
 
 
 def _check_monitor(spec: TaskSpec, metrics: dict[str, Any]) -> None:

@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 
 from trainer.metrics import Accuracy
 from trainer.options import ResumeRule, option
-from trainer.task import Task, TaskContext, TaskData
+from trainer.task import NoOptions, Task, TaskContext, TaskData
 
 MASK = 0  # the token a masked position becomes
 
@@ -128,3 +128,43 @@ class LedgerTask(Task[LedgerOptions]):
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return outputs.float().mean() + 0 * targets.float().mean()
+
+
+class FlattensWithView(nn.Module):
+    """A convolution whose output is flattened with ``.view()``: fine in the default layout, an error on a
+    channels-last tensor (what --channels-last auto chooses for a conv model on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.head = nn.Linear(4 * 8 * 8, 2)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        features = self.conv(images)
+        return self.head(features.view(features.size(0), -1))
+
+
+class Pictures(Dataset[tuple[torch.Tensor, int]]):
+    def __init__(self, size: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.images = torch.randn(size, 1, 8, 8, generator=generator)
+        self.labels = (self.images.mean((1, 2, 3)) > 0).long()
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.images[index], int(self.labels[index])
+
+
+class ViewTask(Task[NoOptions]):
+    name = "view"
+
+    def datasets(self, context: TaskContext) -> TaskData:
+        return TaskData(Pictures(64, seed=1), Pictures(16, seed=2), deterministic_items=True)
+
+    def model(self, data: TaskData) -> nn.Module:
+        return FlattensWithView()
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(outputs.float(), targets)

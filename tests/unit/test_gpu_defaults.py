@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+
+import pytest
 import torch
 from torch import nn
 
@@ -9,6 +12,7 @@ from trainer.build import build_training
 from trainer.cli import parse_config
 from trainer.distributed import Runtime
 from trainer.env import identity_from_env
+from trainer.errors import TaskError
 from trainer.gpu import apply_nccl_environment, choose_tuning, nccl_environment, nccl_timeout_advice
 
 ONE_PROCESS = Runtime(identity_from_env({}), torch.device("cpu"), "gloo")
@@ -64,8 +68,9 @@ def test_the_flight_recorder_folder_is_made_and_named_in_the_timeout_advice(tmp_
     advice = nccl_timeout_advice(environ)
     assert "NCCL_DEBUG=INFO" in advice
     assert f"`torchfrtrace {tmp_path}/run/nccl-flight-recorder -p rank-`" in advice
-    assert "flight" not in nccl_timeout_advice({"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}) and "torchfrtrace" not in (
-        nccl_timeout_advice({"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}))
+    # The dump is named only where the recorder dumps: the same path with dumps turned off gives no advice on it.
+    no_dumps = nccl_timeout_advice({**environ, "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"})
+    assert "torchfrtrace" not in no_dumps and "nccl-flight-recorder" not in no_dumps
 
 
 def test_the_autotuner_setting_is_applied_to_cudnn():
@@ -77,3 +82,27 @@ def test_the_autotuner_setting_is_applied_to_cudnn():
         assert torch.backends.cudnn.benchmark is False
     finally:
         torch.backends.cudnn.benchmark = before
+
+
+VIEW_TASK = ["--task", "tests.support.tasks:ViewTask", "--batch-size", "4", "--num-workers", "0"]
+
+
+def test_a_model_that_cannot_run_channels_last_stops_with_one_line_when_asked_for_it(tmp_path):
+    config, spec = parse_config([*VIEW_TASK, "--channels-last", "on", "--output-dir", str(tmp_path)])
+    with pytest.raises(TaskError) as raised:
+        build_training(config, spec, ONE_PROCESS)
+    message = str(raised.value)
+    assert "--channels-last on: the model's forward pass fails in channels-last memory layout" in message
+    assert "view size is not compatible" in message and "pass --channels-last off" in message
+
+
+def test_a_model_that_cannot_run_channels_last_falls_back_under_auto_with_a_warning(tmp_path, caplog):
+    """auto chooses channels-last for a conv model on CUDA; here a checkpoint's layout makes it choose so on CPU."""
+    config, spec = parse_config([*VIEW_TASK, "--output-dir", str(tmp_path)])
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        setup = build_training(config, spec, ONE_PROCESS, trained_channels_last=True)
+    assert setup.tuning.channels_last is False
+    assert all(parameter.is_contiguous() for parameter in setup.model.parameters())
+    assert "fails in channels-last memory layout" in caplog.text and "training in the default layout" in caplog.text
+    inputs, _ = next(iter(setup.train_loader))
+    setup.model(setup.inputs_on_device(inputs))  # trains in the default layout
