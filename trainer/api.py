@@ -178,7 +178,7 @@ def train(config: Config, spec: TaskSpec, runtime: Runtime) -> dict[str, object]
         "ranks": gather_to_main(runtime.identity.to_dict(), runtime) or [],
         "global_step": trainer.position.step,
         "epochs_completed": trainer.position.epoch,
-        "resumed_from": trainer.resumed_from,
+        "resumed_from": None if trainer.resumed_from is None else redact(trainer.resumed_from),
         "wall_time_s": round(wall_time_s, 3),
         "train_samples_per_s": round((trainer.position.samples_seen - trainer.samples_at_start) / wall_time_s, 1),
     }

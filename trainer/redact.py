@@ -1,8 +1,10 @@
 """Credentials out of everything the trainer writes: logs, error lines, config.yaml, checkpoints, folder names.
 
-A data or checkpoint URL may carry a password (``ftp://alice:secret@host/data``) or a token in its query
-string (``https://host/data?sig=...``, S3 and Azure pre-signed URLs). The URL itself is used as given;
-only what is shown or stored is redacted: the password, and every query value.
+A data or checkpoint URL may carry a password (``ftp://alice:secret@host/data``, also one holding "@", "/"
+or "?"), a token as its user name (``https://TOKEN@host/repo``), a token in its query string
+(``https://host/data?sig=...``, S3 and Azure pre-signed URLs) or in its fragment (``#access_token=...``).
+The URL itself is used as given; only what is shown or stored is redacted: the password, a user name that
+stands alone, every query value and every key=value of a fragment.
 """
 
 from __future__ import annotations
@@ -14,21 +16,43 @@ __all__ = ["HIDDEN", "redact", "redacted"]
 
 HIDDEN = "***"
 # A URL ends before white space or quotes, and not with the punctuation of the sentence around it.
-_URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]*[^\s'\"<>.,:;)]")
-_PASSWORD = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^/?#@:]*):[^/?#@]*@")
-_QUERY_VALUE = re.compile(r"([?&][^=&#]+)=[^&#]*")
+_URL = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)([^\s'\"<>]*[^\s'\"<>.,:;)])")
+# Where the user information ends: the last "@" that a host name follows (then a port, a path, a query, a
+# fragment or the end). A password may hold "@", "/" or "?" that its author did not percent-encode.
+_LAST_AT = re.compile(r"@(?=[A-Za-z0-9._~%\[\]-]*(?::\d*)?(?:[/?#]|$))")
+_KEY_VALUE = re.compile(r"([?&#][^=&#]+)=[^&#]*")
 
 
 def _redact_url(match: re.Match[str]) -> str:
-    url = _PASSWORD.sub(rf"\1:{HIDDEN}@", match.group(0))
-    if "?" not in url:
-        return url
-    head, query = url.split("?", 1)
-    return head + _QUERY_VALUE.sub(rf"\1={HIDDEN}", "?" + query)
+    scheme, rest = match.group(1), match.group(2)
+    rest = _redact_user_information(rest)
+    if "?" not in rest and "#" not in rest:
+        return scheme + rest
+    cut = min(position for position in (rest.find("?"), rest.find("#")) if position >= 0)
+    # Every value of the query (pre-signed URLs' signatures, tokens) and of a fragment's key=value pairs
+    # (OAuth's #access_token=...); a bare fragment (#section) names a place, not a secret.
+    return scheme + rest[:cut] + _KEY_VALUE.sub(rf"\1={HIDDEN}", rest[cut:])
+
+
+def _redact_user_information(rest: str) -> str:
+    """``user:password@`` keeps the user and hides the password; a user alone (``TOKEN@``, how GitHub and
+    many services take a token) is hidden whole. Text before an "@" that holds a "/" and no ":" is a path
+    with an "@" in it (``s3://bucket/logo@2x.png``), not credentials."""
+    at = None
+    for found in _LAST_AT.finditer(rest):
+        at = found.start()
+    if at is None:
+        return rest
+    credentials = rest[:at]
+    if ":" in credentials:
+        return f"{credentials.split(':', 1)[0]}:{HIDDEN}{rest[at:]}"
+    if "/" in credentials or "?" in credentials or "#" in credentials:
+        return rest
+    return f"{HIDDEN}{rest[at:]}"
 
 
 def redact(text: str) -> str:
-    """``text`` with the password and the query values of each URL in it replaced by ***."""
+    """``text`` with the credentials of each URL in it (see the module's docstring) replaced by ***."""
     return _URL.sub(_redact_url, text) if "://" in text else text
 
 

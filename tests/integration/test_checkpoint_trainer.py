@@ -221,3 +221,38 @@ def test_a_checkpoint_of_the_previous_format_migrates_its_tensors_exactly_and_re
     assert old_state["task"]["options"]["model"] == "convnet"  # migrated from the old config's model section
     assert_same_tensors(old_state["model"], new_state["model"])
     assert_same_tensors(old_state["optimizer"], new_state["optimizer"])
+
+
+def every_file_under(*folders: Path) -> dict[str, bytes]:
+    return {str(path): path.read_bytes() for folder in folders for path in folder.rglob("*") if path.is_file()}
+
+
+@pytest.mark.parametrize("location", [
+    "memory://alice:SECRET1@bucket-{id}/ckpt",  # a password
+    "memory://SECRET1@bucket-{id}/ckpt",  # a token as the user name
+])  # (a query's and a fragment's tokens: tests/integration/test_data_urls.py, over HTTP)
+def test_a_checkpoint_url_s_credentials_reach_no_output_line_nor_file(location, tmp_path, monkeypatch, capfd):
+    """In this process (the memory:// file system is the test's own): a stopped run and its resume, whose
+    summary names the checkpoint it resumed from; nothing it prints or writes holds the secret."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    location = location.format(id=uuid.uuid4().hex[:8])
+    args = [*COMMON, "--output-dir", str(tmp_path), "--checkpoint-dir", location]
+    assert main([*args, "--max-steps", "4"]) == 0
+    assert main(args) == 0
+    assert summary(tmp_path)["resumed_from"] == location.replace("SECRET1", "***") + "/step-00000004"
+    printed = capfd.readouterr()
+    assert "resumed from memory://" in printed.err and "SECRET1" not in printed.out + printed.err
+    assert [path for path, content in every_file_under(tmp_path).items() if b"SECRET1" in content] == []
+
+
+def test_a_password_holding_at_slash_and_question_marks_is_hidden_in_a_failed_save(tmp_path, monkeypatch, capfd):
+    """The file system takes the URL's "?" as the end of the path, and the save fails: its one line, which
+    quotes the file system's own path, shows none of the password's pieces."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    location = f"memory://alice:PIECE1@PIECE2/PIECE3?PIECE4@bucket-{uuid.uuid4().hex[:8]}/ckpt"
+    assert main([*COMMON, "--output-dir", str(tmp_path), "--checkpoint-dir", location]) == EXIT_USAGE
+    printed = capfd.readouterr()
+    [line] = [line for line in printed.err.splitlines() if "error:" in line]
+    assert line.startswith("[rank 0] error: could not write checkpoint memory://alice:***@bucket-"), line
+    assert "PIECE" not in printed.out + printed.err
+    assert [path for path, content in every_file_under(tmp_path).items() if b"PIECE" in content] == []

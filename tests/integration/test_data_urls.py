@@ -80,11 +80,15 @@ def test_a_password_in_the_data_url_is_used_but_never_written(serve, tmp_path):
     assert [path for path, content in written.items() if SECRET.encode() in content or SECRET in path] == []
 
 
-@pytest.mark.parametrize("kind", ["refused", "unauthorised"])
+@pytest.mark.parametrize("kind", ["refused", "unauthorised", "token-as-user", "fragment-token"])
 def test_a_url_that_refuses_or_is_unreachable_is_one_data_error_on_every_rank(serve, tmp_path, kind):
     if kind == "refused":  # nothing listens there: the FTP filesystem connects and logs in when opened
         url = f"ftp://alice:{SECRET}@127.0.0.1:{free_port()}/mnist"
         reason = "ConnectionRefusedError: [Errno 111] Connection refused"
+    elif kind in ("token-as-user", "fragment-token"):
+        url = (f"http://{SECRET}@127.0.0.1:{serve(_Unauthorised)}/mnist/" if kind == "token-as-user" else
+               f"http://127.0.0.1:{serve(_Unauthorised)}/mnist/#access_token={SECRET}")
+        reason = "ClientResponseError: 401, message='Unauthorized'"
     else:
         url = f"http://127.0.0.1:{serve(_Unauthorised)}/mnist/?token={SECRET}"
         reason = "ClientResponseError: 401, message='Unauthorized'"

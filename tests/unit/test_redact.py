@@ -1,4 +1,4 @@
-"""trainer.redact: the password and query values of every URL in a text, nothing else."""
+"""trainer.redact: every credential a URL in a text can carry, and nothing else."""
 
 from __future__ import annotations
 
@@ -14,11 +14,15 @@ from trainer.redact import redact, redacted
     ("--data-dir https://u:p:q@host/d/?sig=x#part: cannot reach it",
      "--data-dir https://u:***@host/d/?sig=***#part: cannot reach it"),
     ("(see 'az://c/blob?sv=2024&sig=z').", "(see 'az://c/blob?sv=***&sig=***')."),
-    ("http://alice@host/data", "http://alice@host/data"),  # a user name alone is no secret
+    ("https://ghp_TOKEN@github.com/org/repo.git", "https://***@github.com/org/repo.git"),  # a token as user name
+    ("ftp://u:S1@S2/S3?S4#S5@host:21/c?k=v", "ftp://u:***@host:21/c?k=***"),  # a password with @ / ? # in it
+    ("https://host/cb#access_token=TOKEN&state=S", "https://host/cb#access_token=***&state=***"),
+    ("https://host/docs/page#section", "https://host/docs/page#section"),  # a bare fragment names a place
+    ("s3://bucket/logo@2x.png and s3://b/k?v=1@x", "s3://bucket/logo@2x.png and s3://b/k?v=***"),  # "@" in paths
     ("s3://bucket/path/to/data", "s3://bucket/path/to/data"),
     ("/data/mnist and a:b@c without a scheme", "/data/mnist and a:b@c without a scheme"),
 ])
-def test_passwords_and_query_values_of_urls_are_hidden(text, shown):
+def test_every_credential_of_a_url_is_hidden(text, shown):
     assert redact(text) == shown
 
 

@@ -164,6 +164,12 @@ class CheckpointStorage(ABC):
     def describe(self, name: str = "") -> str:
         return f"{self.location.rstrip('/')}/{name}" if name else self.location
 
+    def reason(self, error: OSError) -> str:
+        """An OSError's words for a message. A file system's own paths may hold what the location's URL
+        carried (a memory:// or local path with "user:password@" in it): they are shown as the location,
+        which every message redacts."""
+        return str(error.strerror or error)
+
     def list_checkpoints(self) -> list[str]:
         """Checkpoint folder names, newest step first (validity is the manager's business)."""
         names = [name for name in self._list() if step_of(name) is not None]
@@ -190,7 +196,7 @@ class CheckpointStorage(ABC):
         except OSError as error:
             self._remove_quietly(temporary)
             raise CheckpointError(
-                f"could not write checkpoint {self.describe(name)}: {error.strerror or error}. The previous "
+                f"could not write checkpoint {self.describe(name)}: {self.reason(error)}. The previous "
                 f"checkpoints are untouched; {_remedy(error, self.location)}"
             ) from None
 
@@ -413,6 +419,10 @@ class FsspecStorage(CheckpointStorage):
 
     def _path(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
+
+    def reason(self, error: OSError) -> str:
+        text = super().reason(error)
+        return text.replace(self.root, self.location.rstrip("/")) if self.root else text
 
     def _list(self) -> list[str]:
         if not self.fs.exists(self.root):
