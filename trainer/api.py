@@ -82,7 +82,7 @@ def run(task: str | type | None = None, argv: Sequence[str] | None = None, **set
     prog = Path(sys.argv[0]).name if task is not None else "ddp-train"
     try:
         config, spec = parse_config(argv, task=task, settings=settings, prog=prog)
-        identity = identity_from_env(os.environ, master_port=config.dist.master_port)
+        identity = identity_from_env(os.environ, master_port=config.dist.master_port, job_id=config.dist.job_id)
         rank = str(identity.rank)
         device = choose_device(config.dist, identity)
         if device.type == "cpu":

@@ -110,6 +110,9 @@ class DistConfig:
     threads_per_rank: int = option(0, "torch threads per rank on CPU (0: OMP_NUM_THREADS, else cores / local ranks)")
     master_port: int = option(0, "the master's TCP port where the launcher names none (Slurm's srun); 0: MASTER_PORT, "
                                  "else 20000 + the job id mod 10000")
+    job_id: str = option("", "this job's name for the checkpoint folder's lease, the same for all its restarts and "
+                             "no other job's (default: DDP_JOB_ID, else the launcher's: Slurm's job id, torchrun's "
+                             "run id, the master's address)", resume=ResumeRule.IGNORE)
 
     def __post_init__(self) -> None:
         check_choice(self.device, "device", ("auto", "cpu", "cuda"))

@@ -20,6 +20,7 @@ This is the only module that reads launcher variables. Dialects:
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from collections.abc import Mapping
@@ -69,6 +70,9 @@ class DistIdentity:
     # What a restart of this job has in common with this attempt, and a concurrent other job cannot have
     # (see job_name): the checkpoint folder's lease lets "the same job" in at once.
     job: str = ""
+    # False where no launcher names the job (a lone process, ranks started by hand on one host, torchrun's
+    # static rendezvous on a loopback address): ``job`` is then this attempt's alone, and --job-id names it.
+    job_named: bool = True
 
     @property
     def is_main(self) -> bool:
@@ -118,10 +122,12 @@ def _master(env: Mapping[str, str], world_size: int, fix: str) -> tuple[str, int
     return env["MASTER_ADDR"].strip(), port
 
 
-def identity_from_env(env: Mapping[str, str], hostname: str | None = None, master_port: int = 0) -> DistIdentity:
+def identity_from_env(env: Mapping[str, str], hostname: str | None = None, master_port: int = 0,
+                      job_id: str = "") -> DistIdentity:
     """Read the launcher's variables into a DistIdentity; one clear error for each inconsistency.
 
-    ``master_port``: the port to use where the launcher names none (Slurm; --master-port), 0 to derive it."""
+    ``master_port``: the port to use where the launcher names none (Slurm; --master-port), 0 to derive it.
+    ``job_id``: --job-id, the job's name for the checkpoint folder's lease (see job_name)."""
     host = hostname or socket.gethostname()
     has = {name for name, value in env.items() if value.strip()}
     pet = sorted(name for name in has if name.startswith("PET_"))
@@ -129,7 +135,7 @@ def identity_from_env(env: Mapping[str, str], hostname: str | None = None, maste
 
     if not has & {"RANK", "WORLD_SIZE", "LOCAL_RANK"}:
         if "SLURM_STEP_ID" in has and "SLURM_PROCID" in has:
-            return _slurm_identity(env, has, host, master_port)
+            return _slurm_identity(env, has, host, master_port, job_id)
         if "SLURM_JOB_ID" in has and "SLURM_NTASKS" in has:
             tasks = _int(env, "SLURM_NTASKS", "set by Slurm", minimum=1)
             if tasks > 1:
@@ -142,8 +148,8 @@ def identity_from_env(env: Mapping[str, str], hostname: str | None = None, maste
                 f"{', '.join(pet)} set but RANK and WORLD_SIZE are not: PET_* variables are torchrun's "
                 f"options (Kubeflow Trainer sets only these); {TORCHRUN_HINT}"
             )
-        return DistIdentity(0, 0, 1, 1, 0, 1, "127.0.0.1", 0, "single-process", host,
-                            job=job_name(env, "single-process", host, "", 0))
+        job, named = job_name(env, "single-process", host, "", 0, job_id)
+        return DistIdentity(0, 0, 1, 1, 0, 1, "127.0.0.1", 0, "single-process", host, job=job, job_named=named)
 
     if "WORLD_SIZE" not in has:
         present = "LOCAL_RANK" if "LOCAL_RANK" in has else "RANK"
@@ -192,34 +198,54 @@ def identity_from_env(env: Mapping[str, str], hostname: str | None = None, maste
     master_addr, master_port = _master(env, world_size, "set MASTER_ADDR and MASTER_PORT to rank 0's host and port")
     restart_count = _int(env, "TORCHELASTIC_RESTART_COUNT", "set by torchrun") \
         if "TORCHELASTIC_RESTART_COUNT" in has else 0
+    job, named = job_name(env, launcher, host, master_addr, master_port, job_id)
     return DistIdentity(rank, local_rank, world_size, local_world_size, node_rank, num_nodes,
                         master_addr, master_port, launcher, host, restart_count,
-                        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True",
-                        job=job_name(env, launcher, host, master_addr, master_port))
+                        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True", job=job, job_named=named)
 
 
-def job_name(env: Mapping[str, str], launcher: str, host: str, master_addr: str, master_port: int) -> str:
-    """Who "the same job" is across restarts, for the checkpoint folder's lease.
+def job_name(env: Mapping[str, str], launcher: str, host: str, master_addr: str, master_port: int,
+             job_id: str = "") -> tuple[str, bool]:
+    """Who "the same job" is across restarts, for the checkpoint folder's lease: (name, whether a launcher or
+    the user named it). It must be the same for every attempt of one job and differ between any two jobs that
+    may share a checkpoint folder (two machines, one NFS folder or bucket).
 
-    ``DDP_JOB_ID`` names it where set. Slurm: the job id, kept by a requeue. torchrun: its run id
-    (``--rdzv-id``). Otherwise the rendezvous address: a PyTorchJob's ``<name>-master-0``, Compose's
-    ``node0``, torchrun's agent without a run id keep their MASTER_ADDR:MASTER_PORT across restarts, and
-    two jobs cannot listen on one at once. A
-    single process has none: every run is its own job, and a sequential re-run finds the lease released.
+    ``--job-id`` (``job_id``) or ``DDP_JOB_ID`` names it where set. Slurm: the job id (and the cluster's
+    name), kept by a requeue. torchrun: its run id (``--rdzv-id``; ``--standalone`` draws one per torchrun).
+    Otherwise a rendezvous address that other hosts reach (a PyTorchJob's ``<name>-master-0``, a TrainJob's
+    first node, Compose's ``node0``): two jobs cannot listen on one at once. A loopback address
+    (``127.0.0.1:29500``, torchrun's static default) is the same on every host, so it names nothing: under
+    torchrun the attempt is its agent's (host and pid, kept across the agent's restarts), otherwise the
+    process's own, and either is unnamed. A single process is its own job.
     """
-    named = env.get("DDP_JOB_ID", "").strip()
+    named = (job_id or env.get("DDP_JOB_ID", "")).strip()
     if named:
-        return named
+        return named, True
     if launcher in ("slurm", "torchrun") and env.get("SLURM_JOB_ID", "").strip():  # torchrun per node under sbatch
-        return f"slurm-job-{env['SLURM_JOB_ID'].strip()}"
+        cluster = env.get("SLURM_CLUSTER_NAME", "").strip()
+        return f"slurm-job-{cluster + '-' if cluster else ''}{env['SLURM_JOB_ID'].strip()}", True
     if launcher == "single-process":
-        return f"process-{host}-{os.getpid()}"
+        return f"process-{host}-{os.getpid()}", False
     run_id = env.get("TORCHELASTIC_RUN_ID", "").strip()
     if launcher == "torchrun" and run_id not in ("", "none"):
         # --rdzv-id names the job (--standalone makes a random one per torchrun): kept across restarts, also
         # when a new rendezvous round moves the agent's store (MASTER_ADDR:MASTER_PORT) to another node.
-        return f"torchrun-{run_id}"
-    return f"{launcher}@{master_addr}:{master_port}"
+        return f"torchrun-{run_id}", True
+    if not is_loopback(master_addr):
+        return f"{launcher}@{master_addr}:{master_port}", True
+    if launcher == "torchrun":  # its workers are the agent's children, and a restart keeps the agent
+        return f"torchrun-agent-{host}-{os.getppid()}", False
+    return f"{launcher}-{host}-{os.getpid()}", False
+
+
+def is_loopback(address: str) -> bool:
+    """An address every host has for itself: it cannot tell one host's job from another's."""
+    if address.strip().lower() in ("localhost", "localhost.localdomain", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(address.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _refuse_node_rank_as_process_rank(env: Mapping[str, str], world_size: int) -> None:
@@ -244,7 +270,8 @@ def _refuse_node_rank_as_process_rank(env: Mapping[str, str], world_size: int) -
             )
 
 
-def _slurm_identity(env: Mapping[str, str], has: set[str], host: str, master_port: int) -> DistIdentity:
+def _slurm_identity(env: Mapping[str, str], has: set[str], host: str, master_port: int, job_id: str
+                    ) -> DistIdentity:
     """One srun task per rank. The step's variables, not the job's: a step may use part of the allocation."""
     def step_or_job(step_name: str, job_name: str) -> str:
         return step_name if step_name in has else job_name
@@ -289,5 +316,6 @@ def _slurm_identity(env: Mapping[str, str], has: set[str], host: str, master_por
     if port > 65535:
         raise LaunchEnvError(f"master port {port} is not a TCP port; set MASTER_PORT or --master-port to 1-65535")
     restart_count = _int(env, "SLURM_RESTART_COUNT", "set by Slurm") if "SLURM_RESTART_COUNT" in has else 0
+    job, named = job_name(env, "slurm", host, master_addr, port, job_id)
     return DistIdentity(rank, local_rank, world_size, local_world_size, node_rank, len(nodes), master_addr, port,
-                        "slurm", host, restart_count, job=job_name(env, "slurm", host, master_addr, port))
+                        "slurm", host, restart_count, job=job, job_named=named)

@@ -20,11 +20,21 @@ LOG = logging.getLogger("lease-test")
 
 
 class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
+    """A host's clock, wall and monotonic alike; sleeping advances it (and runs what happens meanwhile)."""
+
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+        self.meanwhile: list = []  # called at each sleep: what other hosts do while this one waits
+        self.slept = 0.0
 
     def __call__(self) -> float:
         return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        self.slept += seconds
+        for happening in self.meanwhile:
+            happening()
 
 
 @pytest.fixture(params=["local", "fsspec"])
@@ -33,8 +43,11 @@ def location(request: pytest.FixtureRequest, tmp_path) -> str:
     return str(tmp_path / "ckpt") if request.param == "local" else f"local://{tmp_path}/ckpt"
 
 
-def lease_for(location: str, job: str, clock: Clock | None = None, expires_after_s: float = 60.0) -> CheckpointLease:
-    return CheckpointLease(open_storage(location), job, f"host-{job}", expires_after_s, LOG, clock or Clock())
+def lease_for(location: str, job: str, clock: Clock | None = None, expires_after_s: float = 60.0,
+              job_named: bool = True) -> CheckpointLease:
+    clock = clock or Clock()
+    return CheckpointLease(open_storage(location), job, f"host-{job}", expires_after_s, LOG, clock, job_named,
+                           monotonic=clock, sleep=clock.sleep)
 
 
 def test_a_second_job_is_refused_naming_the_holder_and_the_ways_out(location):
@@ -57,7 +70,8 @@ def test_released_expired_or_same_job_leases_are_taken_at_once(location, caplog)
     clock.now += 61  # nobody renewed for longer than the expiry: a job killed without releasing
     with caplog.at_level(logging.WARNING, logger="lease-test"):
         lease_for(location, "job-c", clock).take()
-    assert "from job job-b on host-job-b, whose lease expired (not renewed for 61s)" in caplog.text
+    assert "from job job-b on host-job-b, whose lease expired (not renewed for 61s by its clock" in caplog.text
+    assert clock.slept >= 30, "an expired-looking lease is watched for half the expiry before it is taken"
     # Only the newest holder's file is kept.
     assert open_storage(location).files(LEASE_FOLDER) == ["holder-00000004.json"]
 
@@ -140,3 +154,38 @@ def test_a_lease_that_cannot_be_written_is_one_clear_error(tmp_path, runtime):
     manager = CheckpointManager(CheckpointConfig(), str(tmp_path), runtime, LOG, Monitor("accuracy", "max"))
     with pytest.raises(CheckpointError, match=r"cannot take the lease of checkpoint folder .*\(File exists\); fix"):
         manager.prepare()
+
+
+def test_a_taker_whose_clock_runs_ahead_never_takes_a_lease_its_holder_renews(location):
+    holder_clock, taker_clock = Clock(), Clock(now=1_000_000.0 + 3600)  # the taker's clock is an hour ahead
+    holder = lease_for(location, "job-a", holder_clock, expires_after_s=8)
+    holder.take()
+
+    def holder_goes_on() -> None:  # the holder's renewal thread: every quarter of the expiry, by its own clock
+        holder_clock.now += 1
+        if holder_clock.now % 2 == 0:
+            holder.renew()
+
+    taker_clock.meanwhile.append(holder_goes_on)
+    with pytest.raises(CheckpointError) as refused:
+        lease_for(location, "job-b", taker_clock, expires_after_s=8).take()
+    assert "lease renewed while this job watched it, though its timestamps are 3600s old: the two hosts' clocks " \
+           "disagree" in str(refused.value)
+    holder.renew()  # still the holder: nothing was taken
+    # Once the holder stops renewing (killed), the same taker takes the lease after half the expiry.
+    taker_clock.meanwhile.clear()
+    taker_clock.slept = 0.0
+    lease_for(location, "job-b", taker_clock, expires_after_s=8).take()
+    assert 4 <= taker_clock.slept <= 5
+    with pytest.raises(CheckpointError, match="was taken over by job job-b"):
+        holder.renew()
+
+
+def test_a_job_no_launcher_names_is_told_how_to_name_it_when_refused(location):
+    lease_for(location, "torchrun-agent-host-a-4242", job_named=False).take()
+    with pytest.raises(CheckpointError) as refused:
+        lease_for(location, "torchrun-agent-host-b-777", job_named=False).take()
+    assert "name the job with --job-id (or DDP_JOB_ID), the same for every attempt" in str(refused.value)
+    with pytest.raises(CheckpointError) as named:
+        lease_for(location, "nightly").take()
+    assert "--job-id" not in str(named.value)

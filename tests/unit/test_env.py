@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from trainer.env import identity_from_env
@@ -95,3 +97,23 @@ def test_the_job_a_restart_belongs_to_is_named_by_what_each_launcher_keeps_acros
     assert identity_from_env({**TORCHRUN_NODE1_RANK3, "SLURM_JOB_ID": "812"}).job == "slurm-job-812"
     # A single process has nothing a restart keeps: each run is its own job (its lease is released at exit).
     assert identity_from_env({}, hostname="laptop").job.startswith("process-laptop-")
+    assert identity_from_env({**compose, "DDP_JOB_ID": "nightly-7"}, job_id="flagged").job == "flagged"  # the flag wins
+    assert identity_from_env({**TORCHRUN_NODE1_RANK3, "SLURM_JOB_ID": "812", "SLURM_CLUSTER_NAME": "north"}
+                             ).job == "slurm-job-north-812"
+
+
+def test_a_loopback_rendezvous_names_no_job_so_two_machines_jobs_are_never_taken_for_each_other():
+    """torchrun without --standalone or --rdzv-id (static rendezvous, 127.0.0.1:29500) is the same on every host."""
+    static = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
+              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "none"}
+    first, second = identity_from_env(static, hostname="host-a"), identity_from_env(static, hostname="host-b")
+    assert first.job != second.job and not first.job_named and not second.job_named
+    assert first.job == f"torchrun-agent-host-a-{os.getppid()}"  # the agent: kept across torchrun's restarts
+    assert first.job == identity_from_env(static, hostname="host-a").job
+    by_hand = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500"}
+    assert identity_from_env(by_hand, hostname="host-a").job == f"env-host-a-{os.getpid()}"
+    for loopback in ("127.0.0.2", "::1", "[::1]"):
+        assert not identity_from_env({**static, "MASTER_ADDR": loopback}).job_named
+    named = identity_from_env(static, hostname="host-a", job_id="nightly")
+    assert (named.job, named.job_named) == ("nightly", True)
+    assert identity_from_env({**static, "MASTER_ADDR": "10.0.0.5"}).job_named  # other hosts reach it: a name

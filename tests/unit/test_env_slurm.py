@@ -49,7 +49,7 @@ def test_the_step_wins_over_the_job_a_requeue_is_counted_and_the_port_can_be_nam
     identity = identity_from_env(env, hostname="vm")
     assert (identity.rank, identity.world_size, identity.node_rank, identity.num_nodes) == (1, 2, 0, 1)
     assert (identity.master_addr, identity.master_port, identity.restart_count) == ("n2", 23456, 2)
-    assert identity.job == "slurm-job-123456", "a requeued job keeps its id, and with it its checkpoint folder"
+    assert identity.job == "slurm-job-ci-123456", "a requeued job keeps its id (on its cluster), and its folder"
     assert identity_from_env(env, master_port=31000).master_port == 31000
     named = identity_from_env({**env, "MASTER_ADDR": "n2-ib", "MASTER_PORT": "29500"}, master_port=31000)
     assert (named.master_addr, named.master_port) == ("n2-ib", 29500), "the environment wins over the flag"

@@ -10,9 +10,13 @@ The lease is a series of files ``.lease/holder-<generation>.json``; the newest g
 Taking it means creating the next generation's file, which exactly one of any number of racing jobs
 can do (an exclusive create: ``link()`` on local disks and NFS, a conditional write on S3). The holder
 rewrites its file every quarter of ``expires_after_s``; a lease not renewed for that long was left by
-a job that could not release it (SIGKILL, a lost node) and is free. Expiry compares the holder's clock
-with the taker's, so it assumes clocks that agree to within seconds (NTP); a job that finds its lease
-taken over (it was stalled longer than the expiry) stops before its next save.
+a job that could not release it (SIGKILL, a lost node) and is free. The holder's timestamps are its
+clock's, which may disagree with the taker's by any amount: they only tell a taker to look closer. A
+lease whose timestamps say it expired is taken only once the taker has watched it, on its own monotonic
+clock, for half the expiry (two renewal periods) without seeing it renewed. So a taker whose clock runs
+ahead can never take a lease that its holder renews; clock skew can at most shorten the time a stalled
+holder keeps its lease from the expiry to half of it (a taker whose clock runs behind waits longer). A
+job that finds its lease taken over (it was stalled longer than that) stops before its next save.
 """
 
 from __future__ import annotations
@@ -66,13 +70,18 @@ class Holder:
 
 class CheckpointLease:
     def __init__(self, storage: CheckpointStorage, job: str, host: str, expires_after_s: float,
-                 log: logging.Logger, clock: Callable[[], float] = time.time) -> None:
+                 log: logging.Logger, clock: Callable[[], float] = time.time, job_named: bool = True,
+                 monotonic: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep
+                 ) -> None:
         self.storage = storage
         self.job = job
+        self.job_named = job_named  # see DistIdentity.job_named: an unnamed job's restart is another job
         self.host = host
         self.expires_after_s = expires_after_s
         self.log = log
-        self.clock = clock
+        self.clock = clock  # this host's wall clock, written into the lease file for people and other hosts
+        self.monotonic = monotonic  # this host's own measure of time passing, for the watch before a take-over
+        self.sleep = sleep
         self.generation: int | None = None
         self.lost_to: Holder | None = None
         self._stop = threading.Event()
@@ -81,6 +90,7 @@ class CheckpointLease:
     # -- taking --------------------------------------------------------------------------------------------
     def take(self, take_over: bool = False) -> None:
         """Become the holder, or raise CheckpointError naming the job that holds the folder."""
+        renewed_while_watched = False
         for _ in range(TAKE_ATTEMPTS):
             why: str | None = None
             generations = self._generations()
@@ -96,6 +106,12 @@ class CheckpointLease:
                 why = self._why_free(current, take_over)
                 if why is None:
                     raise CheckpointError(self._held_message(current))
+                if self._looks_expired(current, take_over):
+                    if renewed_while_watched:  # alive, though its timestamps say otherwise: clocks disagree
+                        raise CheckpointError(self._held_message(current, renewed_while_watched=True))
+                    if not self._unchanged_while_watched(newest):
+                        renewed_while_watched = True  # renewed, released or taken meanwhile: look again
+                        continue
             if self.storage.create_exclusive(LEASE_FOLDER, holder_file(newest + 1), self._record().to_bytes()):
                 self.generation = newest + 1
                 if current is not None and why != "released":
@@ -117,18 +133,50 @@ class CheckpointLease:
             return f"an earlier attempt of this job ({self.job})"
         age = self.clock() - current.renewed_unix
         if age > current.expires_after_s:
-            return f"job {current.job} on {current.host}, whose lease expired (not renewed for {age:.0f}s)"
+            return (f"job {current.job} on {current.host}, whose lease expired (not renewed for {age:.0f}s by its "
+                    f"clock, nor for {current.expires_after_s / 2:.0f}s watched from this host)")
         if take_over:
             return f"job {current.job} on {current.host} (--take-over-checkpoint-dir; renewed {age:.0f}s ago)"
         return None
 
-    def _held_message(self, current: Holder) -> str:
+    def _looks_expired(self, current: Holder, take_over: bool) -> bool:
+        """Free only by its holder's timestamps (which the watch must confirm)."""
+        return (not (current.released or take_over or current.job == self.job)
+                and self.clock() - current.renewed_unix > current.expires_after_s)
+
+    def _unchanged_while_watched(self, generation: int) -> bool:
+        """Whether the lease's newest file stays as it is for half the expiry, on this host's monotonic clock:
+        a holder that is alive renews it every quarter (or a newer holder appears)."""
+        def snapshot() -> tuple[list[int], bytes | None]:
+            try:
+                return self._generations(), self.storage.read(LEASE_FOLDER, holder_file(generation))
+            except (FileNotFoundError, NotAFile):
+                return self._generations(), None
+
+        before = snapshot()
+        self.log.info("the lease of checkpoint folder %s looks expired by its holder's clock; watching it for %.0fs "
+                      "before taking it over", self.storage.describe(), self.expires_after_s / 2)
+        deadline = self.monotonic() + self.expires_after_s / 2
+        while (left := deadline - self.monotonic()) > 0:
+            self.sleep(min(1.0, left))
+            if snapshot() != before:
+                return False
+        return True
+
+    def _held_message(self, current: Holder, renewed_while_watched: bool = False) -> str:
         age = max(0.0, self.clock() - current.renewed_unix)
         left = max(0.0, current.expires_after_s - age)
+        renewed = (f"lease renewed while this job watched it, though its timestamps are {age:.0f}s old: the two "
+                   f"hosts' clocks disagree" if renewed_while_watched else f"lease renewed {age:.0f}s ago")
+        expires = "" if renewed_while_watched else f"its lease expires in {left:.0f}s, or "
+        unnamed = ("" if self.job_named else
+                   "; if it is an earlier attempt of this very job, name the job with --job-id (or DDP_JOB_ID), the "
+                   "same for every attempt: no launcher names this one, so its restarts cannot be told from "
+                   "another job")
         return (f"checkpoint folder {self.storage.describe()} is in use by another job ({current.job}, rank 0 pid "
-                f"{current.pid} on {current.host}, lease renewed {age:.0f}s ago): two jobs in one folder delete each "
+                f"{current.pid} on {current.host}, {renewed}): two jobs in one folder delete each "
                 f"other's checkpoints. Wait for that job to finish, or give this one another --checkpoint-dir; if "
-                f"that job was killed, its lease expires in {left:.0f}s, or pass --take-over-checkpoint-dir")
+                f"that job was killed, {expires}pass --take-over-checkpoint-dir{unnamed}")
 
     # -- holding -------------------------------------------------------------------------------------------
     def check(self) -> None:

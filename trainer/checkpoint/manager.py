@@ -168,7 +168,7 @@ class CheckpointManager:
                 self.storage.check_writable()
                 identity = self.runtime.identity
                 lease = CheckpointLease(self.storage, identity.job, identity.hostname, self.config.lease_expiry_s,
-                                        self.log)
+                                        self.log, job_named=identity.job_named)
                 try:
                     lease.take(take_over=self.config.take_over_checkpoint_dir)
                 except OSError as problem:
