@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 INTEGRATION = Path(__file__).resolve().parent / "integration"
-# Fixtures shared by several folders: mount_point (tmpfs mounts for full and read-only disks).
-pytest_plugins = ["tests.support.mounts"]
+# Fixtures shared by several folders: mount_point (tmpfs mounts for full and read-only disks), s3 and s3_env
+# (a real S3-compatible server on loopback).
+pytest_plugins = ["tests.support.mounts", "tests.support.s3_server"]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

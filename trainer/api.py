@@ -95,7 +95,7 @@ def run(task: str | type | None = None, argv: Sequence[str] | None = None, **set
         return EXIT_OK
     except UserError as error:
         retry = (f"; exiting with {EXIT_PEER_LOST} so the launcher restarts the job from its last checkpoint"
-                 if isinstance(error, PeerLost) else "")
+                 if error.exit_code == EXIT_PEER_LOST else "")
         print(f"[rank {rank}] error: {redact(user_message(error))}{retry}", file=sys.stderr, flush=True)
         return error.exit_code
     except RuntimeError as error:

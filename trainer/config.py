@@ -136,6 +136,9 @@ class CheckpointConfig:
         "see docs/checkpoints.md for what a resume always allows and always refuses", resume=ResumeRule.IGNORE)
     async_checkpoint: bool = option(False, "write checkpoints in a background thread")
     grace_period_s: float = option(25.0, "after SIGTERM, exit within this many seconds (checkpoint included)")
+    checkpoint_timeout_s: float = option(1800.0, "a checkpoint write that takes longer (a hung NFS mount or bucket) "
+                                                 "ends the job with exit 200, to be restarted from the last "
+                                                 "complete checkpoint", resume=ResumeRule.IGNORE)
     lease_expiry_s: float = option(60.0, "a checkpoint folder belongs to one job; the lease of a job killed without "
                                          "releasing it is free after this many seconds without renewal",
                                   resume=ResumeRule.IGNORE)
@@ -149,6 +152,7 @@ class CheckpointConfig:
                                    f"got {self.keep_last}")
         check(bool(self.resume), "--resume must be latest, none or a path")
         check(self.grace_period_s > 0, "--grace-period-s must be > 0")
+        check(self.checkpoint_timeout_s > 0, f"--checkpoint-timeout-s must be > 0, got {self.checkpoint_timeout_s:g}")
         check(self.lease_expiry_s >= 4, f"--lease-expiry-s must be >= 4 (it is renewed every quarter of it), "
                                         f"got {self.lease_expiry_s:g}")
 

@@ -87,5 +87,12 @@ class PeerLost(UserError):
     exit_code = EXIT_PEER_LOST
 
 
+class StorageStalled(CheckpointError):
+    """A checkpoint write outlasted --checkpoint-timeout-s (a hung mount or bucket): the job ends to be
+    restarted, and resumes from the last complete checkpoint."""
+
+    exit_code = EXIT_PEER_LOST
+
+
 class Preempted(Exception):
     """Raised after the preemption checkpoint is written, to unwind to the exit."""

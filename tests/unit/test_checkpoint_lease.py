@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import logging
 import threading
+from importlib.metadata import version as fsspec_version
 
+import fsspec
 import pytest
+from fsspec.implementations.memory import MemoryFileSystem
 
 from tests.support.checkpoints import state_at
-from trainer.checkpoint import CheckpointManager, Monitor, open_storage
+from trainer.checkpoint import CheckpointManager, Monitor, open_storage, storage
 from trainer.checkpoint.lease import LEASE_FOLDER, CheckpointLease, Holder
 from trainer.config import CheckpointConfig, DistConfig
 from trainer.distributed import destroy_process_group, init_process_group
@@ -37,9 +40,12 @@ class Clock:
             happening()
 
 
-@pytest.fixture(params=["local", "fsspec"])
+@pytest.fixture(params=["local", "fsspec", "s3"])
 def location(request: pytest.FixtureRequest, tmp_path) -> str:
-    # fsspec's local filesystem: the object-store code path (exclusive "xb" opens) on a real disk.
+    # fsspec's local filesystem: the object-store code path (exclusive "xb" opens) on a real disk; s3: a real
+    # S3-compatible server (conditional writes, If-None-Match: *) through s3fs.
+    if request.param == "s3":
+        return f"s3://{request.getfixturevalue('s3_env').new_bucket()}/ckpt"
     return str(tmp_path / "ckpt") if request.param == "local" else f"local://{tmp_path}/ckpt"
 
 
@@ -189,3 +195,49 @@ def test_a_job_no_launcher_names_is_told_how_to_name_it_when_refused(location):
     with pytest.raises(CheckpointError) as named:
         lease_for(location, "nightly").take()
     assert "--job-id" not in str(named.value)
+
+
+class OverwritingExclusiveCreate(MemoryFileSystem):
+    """What s3fs before 2024.12 did: "xb" written like "wb", so two racing jobs would both take the lease."""
+
+    protocol = "overwrites-test"
+
+    def _open(self, path, mode="rb", **kwargs):  # noqa: ANN001, ANN202 - fsspec's signature
+        return super()._open(path, "wb" if mode == "xb" else mode, **kwargs)
+
+
+class NoExclusiveCreate(MemoryFileSystem):
+    """A backend without the mode at all."""
+
+    protocol = "no-exclusive-test"
+
+    def _open(self, path, mode="rb", **kwargs):  # noqa: ANN001, ANN202 - fsspec's signature
+        if mode == "xb":
+            raise NotImplementedError("mode 'xb'")
+        return super()._open(path, mode, **kwargs)
+
+
+@pytest.mark.parametrize(("backend", "said"), [
+    (OverwritingExclusiveCreate, "wrote over a file that its exclusive create should have refused"),
+    (NoExclusiveCreate, "has no exclusive create (mode 'xb'), which the checkpoint folder's lease needs"),
+])
+def test_a_backend_without_a_real_exclusive_create_is_refused_with_one_line(backend, said, runtime):
+    fsspec.register_implementation(backend.protocol, backend, clobber=True)
+    manager = CheckpointManager(CheckpointConfig(), f"{backend.protocol}://bucket/ckpt", runtime, LOG,
+                                Monitor("accuracy", "max"))
+    with pytest.raises(CheckpointError) as refused:
+        manager.prepare()
+    assert said in str(refused.value) and "use a local or NFS folder, or s3:// with s3fs>=2024.12.0" in str(
+        refused.value)
+    assert manager.lease is None
+
+
+def test_an_s3fs_older_than_the_first_with_conditional_writes_is_refused_by_its_release(s3_env, runtime, monkeypatch):
+    """Against the real server: the installed s3fs passes; one taken for older than the minimum is refused."""
+    location = f"s3://{s3_env.new_bucket()}/ckpt"
+    CheckpointManager(CheckpointConfig(), location, runtime, LOG, Monitor("accuracy", "max")).prepare()
+    monkeypatch.setitem(storage.EXCLUSIVE_CREATE_SINCE, "s3fs", "2999.1.0")
+    with pytest.raises(CheckpointError, match=rf"s3fs {fsspec_version('s3fs')} cannot create a file only if it does "
+                                              r"not exist.*install s3fs>=2999.1.0"):
+        CheckpointManager(CheckpointConfig(), f"s3://{s3_env.new_bucket()}/ckpt", runtime, LOG,
+                          Monitor("accuracy", "max")).prepare()

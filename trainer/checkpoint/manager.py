@@ -31,12 +31,14 @@ from trainer.checkpoint.storage import (
 )
 from trainer.config import CheckpointConfig
 from trainer.distributed import Runtime, broadcast_from_main, gather_to_main
-from trainer.errors import CheckpointError
+from trainer.errors import CheckpointError, StorageStalled
 from trainer.rng import capture_rng
 
 STATE_FILE = "state.pt"
 # Ours are well under 4 KB; a larger one is not read (it could be anything, of any size).
 MAX_MANIFEST_BYTES = 1 << 20
+# After a write stalled, the lease's release goes to the same storage: tried for this long, then left to expire.
+RELEASE_AFTER_STALL_S = 2.0
 
 
 class InvalidCheckpoint(Exception):
@@ -154,6 +156,9 @@ class CheckpointManager:
         self.last_timing = SaveTiming()
         self._writer: threading.Thread | None = None
         self._writer_error: str | None = None
+        self._writer_deadline = 0.0  # time.monotonic() by which the background write must be done
+        self._writer_name = ""
+        self._stalled = False  # a write outlasted --checkpoint-timeout-s: its thread is abandoned, not joined
         self._copied: threading.Event | None = None  # set once an asynchronous save's deferred copies are done
         self._buffers: dict[str, torch.Tensor] = {}
         self.lease: CheckpointLease | None = None
@@ -242,9 +247,9 @@ class CheckpointManager:
         asynchronous save copies those, and the optimizer's state, in its background thread while training
         computes the next gradients; ``before_update`` waits for that copy.
         """
-        self._raise_everywhere(self._wait_for_writer())
+        self._raise_everywhere(*self._wait_for_writer())
         rng_by_rank = gather_to_main(capture_rng(), self.runtime)
-        error = None
+        error, stalled = None, False
         if self.runtime.is_main:
             state.rng, state.versions = rng_by_rank or [], library_versions()
             raw, described = state.to_dict(), state.manifest(metrics)
@@ -253,18 +258,47 @@ class CheckpointManager:
                 later: list[tuple[torch.Tensor, torch.Tensor]] = []
                 snapshot = self._snapshot(raw, "", _deferrable(unchanged_until_update), later)
                 self._copied = threading.Event()
+                # A daemon: a write stuck in a hung file system must not keep the process from exiting.
                 self._writer = threading.Thread(target=self._write_in_background,
                                                 args=(name, snapshot, described, later, self._copied),
-                                                name="checkpoint-writer", daemon=False)
+                                                name="checkpoint-writer", daemon=True)
+                self._writer_deadline = time.monotonic() + self.config.checkpoint_timeout_s
+                self._writer_name = name
                 self._writer.start()
             else:
-                try:
-                    with self.runtime.busy(f"writing checkpoint {name}"):
-                        self._write(name, raw, described)
-                except CheckpointError as problem:
-                    error = str(problem)
+                with self.runtime.busy(f"writing checkpoint {name}"):
+                    error, stalled = self._write_within_deadline(name, raw, described)
         if not self.config.async_checkpoint:
-            self._raise_everywhere(error)
+            self._raise_everywhere(error, stalled)
+
+    def _write_within_deadline(self, name: str, state: dict[str, Any], manifest_extra: dict[str, Any]
+                               ) -> tuple[str | None, bool]:
+        """A synchronous save, in a thread of its own so that a file system that never answers cannot hold the
+        job for ever: (the error, whether the write stalled past --checkpoint-timeout-s)."""
+        outcome: list[str | None] = []
+
+        def write() -> None:
+            try:
+                self._write(name, state, manifest_extra)
+                outcome.append(None)
+            except CheckpointError as problem:
+                outcome.append(str(problem))
+            except Exception as problem:  # noqa: BLE001 - reported like the background writer's
+                outcome.append(f"checkpoint write failed: {problem!r}")
+
+        writer = threading.Thread(target=write, name="checkpoint-writer", daemon=True)
+        writer.start()
+        writer.join(self.config.checkpoint_timeout_s)
+        if writer.is_alive():
+            self._stalled = True
+            return self._stalled_message(name), True
+        return outcome[0], False
+
+    def _stalled_message(self, name: str) -> str:
+        return (f"checkpoint {self.storage.describe(name)} was not written within "
+                f"{self.config.checkpoint_timeout_s:g}s (--checkpoint-timeout-s): the storage stopped answering (a "
+                f"hung NFS mount or bucket?). The job stops so that it can be restarted; it resumes from the last "
+                f"complete checkpoint, which is intact")
 
     def before_update(self) -> None:
         """Before the optimizer changes the parameters: an asynchronous save's copy of them is complete."""
@@ -274,7 +308,7 @@ class CheckpointManager:
 
     def finish(self) -> None:
         """Wait for a background write and make its failure every rank's error."""
-        self._raise_everywhere(self._wait_for_writer())
+        self._raise_everywhere(*self._wait_for_writer())
 
     def release_lease(self) -> None:
         """Release the folder's lease now, without waiting for a save in progress (an exit without one)."""
@@ -284,9 +318,17 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Release the folder's lease (on rank 0; local, no collective): the next job may start at once."""
+        if self._stalled:  # the storage does not answer: neither the write nor a release would end
+            self._release_lease_within(RELEASE_AFTER_STALL_S)
+            return
         if self._writer is not None:
             self._writer.join()  # a save still being written belongs to this job's time in the folder
         self.release_lease()
+
+    def _release_lease_within(self, seconds: float) -> None:
+        releaser = threading.Thread(target=self.release_lease, name="lease-release", daemon=True)
+        releaser.start()
+        releaser.join(seconds)
 
     def _snapshot(self, state: Any, path: str, deferrable: Callable[[str], bool],
                   later: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
@@ -329,12 +371,16 @@ class CheckpointManager:
         except Exception as problem:  # noqa: BLE001 - reported to every rank by the next save or finish
             self._writer_error = f"background checkpoint write failed: {problem!r}"
 
-    def _wait_for_writer(self) -> str | None:
+    def _wait_for_writer(self) -> tuple[str | None, bool]:
+        """The background write's error, if any, and whether it stalled past --checkpoint-timeout-s."""
         if self._writer is not None:
-            self._writer.join()
+            self._writer.join(max(0.0, self._writer_deadline - time.monotonic()))
+            if self._writer.is_alive():
+                self._stalled = True
+                return self._stalled_message(self._writer_name), True
             self._writer = None
         error, self._writer_error = self._writer_error, None
-        return error
+        return error, False
 
     def _write(self, name: str, state: dict[str, Any], manifest_extra: dict[str, Any]) -> None:
         started = time.perf_counter()
@@ -390,16 +436,18 @@ class CheckpointManager:
         if self.lease is not None:
             self.lease.check()
 
-    def _raise_everywhere(self, error: str | None) -> None:
+    def _raise_everywhere(self, error: str | None, stalled: bool = False) -> None:
         """Rank 0's checkpoint error, raised on every rank, so no rank waits for one that has quit. Rank 0's
         work before it (a save to slow storage) may outlast --collective-timeout-s: the others wait for it
-        while it is alive (trainer.liveness)."""
+        while it is alive (trainer.liveness), up to --checkpoint-timeout-s (then ``stalled``: StorageStalled,
+        exit 200, which launchers retry)."""
         self.runtime.wait_for_all("rank 0's checkpoint work")
-        error = broadcast_from_main(error, self.runtime)
+        error, stalled = broadcast_from_main((error, stalled), self.runtime)
         if error:
+            kind = StorageStalled if stalled else CheckpointError
             if self.runtime.is_main:
-                raise CheckpointError(error)
-            raise CheckpointError(f"rank 0 could not write the checkpoint: {error}")
+                raise kind(error)
+            raise kind(f"rank 0 could not write the checkpoint: {error}")
 
 
 def _deferrable(model_entries: frozenset[str]) -> Callable[[str], bool]:

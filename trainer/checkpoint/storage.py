@@ -24,6 +24,7 @@ import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from importlib import metadata
 from pathlib import Path
 from typing import IO, Any
 
@@ -33,6 +34,10 @@ CHECKPOINT_NAME = re.compile(r"^step-(\d{8,})$")
 TEMP_PREFIX = ".tmp-"
 REPLACED_PREFIX = f"{TEMP_PREFIX}replaced-"
 MANIFEST = "manifest.json"
+# The first releases whose exclusive create ("xb") is a conditional write on the store (If-None-Match: *),
+# read in their source: before, s3fs wrote over an existing object. Other backends are tried (see
+# FsspecStorage._check_exclusive_create).
+EXCLUSIVE_CREATE_SINCE = {"s3fs": "2024.12.0"}
 
 FileWriter = Callable[[IO[bytes]], None]  # writes one file's content into an open binary handle
 ManifestMaker = Callable[[dict[str, dict[str, Any]]], bytes]  # {filename: {"bytes", "crc32"}} -> manifest
@@ -498,6 +503,37 @@ class FsspecStorage(CheckpointStorage):
             raise CheckpointError(
                 f"checkpoint location {self.location} is not writable ({error}); check the URL and credentials"
             ) from None
+        self._check_exclusive_create()
+
+    def _check_exclusive_create(self) -> None:
+        """The folder's lease needs a create that fails when the file exists, decided by the store itself
+        (two racing jobs: exactly one wins). Backends whose "xb" mode is a plain write (older s3fs), or that do
+        not have it, are refused with one line: checked by release where that is known, then by trying it."""
+        package = type(self.fs).__module__.split(".", 1)[0]
+        minimum = EXCLUSIVE_CREATE_SINCE.get(package)
+        if minimum is not None and _release(metadata.version(package)) < _release(minimum):
+            raise CheckpointError(
+                f"--checkpoint-dir {self.location}: {package} {metadata.version(package)} cannot create a file only "
+                f"if it does not exist, which the checkpoint folder's lease needs (so that two jobs never share a "
+                f"folder); install {package}>={minimum}")
+        folder = f"{TEMP_PREFIX}exclusive-{uuid.uuid4().hex[:8]}"
+        try:
+            first, second = (self.create_exclusive(folder, "probe", b"1"), self.create_exclusive(folder, "probe", b"2"))
+        except (NotImplementedError, ValueError, TypeError) as error:
+            raise CheckpointError(
+                f"--checkpoint-dir {self.location}: {type(self.fs).__name__} has no exclusive create "
+                f"({error or type(error).__name__}), which the checkpoint folder's lease needs (so that two jobs "
+                f"never share a folder); use a local or NFS folder, or s3:// with "
+                f"s3fs>={EXCLUSIVE_CREATE_SINCE['s3fs']}") from None
+        finally:
+            with contextlib.suppress(Exception):
+                self.fs.rm(self._path(folder), recursive=True)
+        if not (first and not second):
+            raise CheckpointError(
+                f"--checkpoint-dir {self.location}: {type(self.fs).__name__} wrote over a file that its exclusive "
+                f"create should have refused, so two jobs could both take the checkpoint folder's lease; use a local "
+                f"or NFS folder, or s3:// with s3fs>={EXCLUSIVE_CREATE_SINCE['s3fs']} on a store with conditional "
+                f"writes")
 
     def create_exclusive(self, name: str, filename: str, data: bytes) -> bool:
         # fsspec's exclusive mode: O_EXCL on local files, a conditional write (If-None-Match: *) in s3fs,
@@ -522,6 +558,11 @@ class FsspecStorage(CheckpointStorage):
     def remove_file(self, name: str, filename: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self._path(name, filename))
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``2024.12.0`` as (2024, 12, 0): enough to compare the date-named releases of fsspec's backends."""
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
 
 
 def _replaced_name(name: str) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -22,6 +23,8 @@ log = logging.getLogger(__name__)
 SOCKET_TIMEOUT_S = 60.0
 # Downloads in progress and their lock: hidden names, never taken for a dataset's files.
 STAGING_PREFIX = ".download-"
+# What flock says on a file system that has no locks at all.
+NO_LOCKS = (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK)
 
 
 def download(spec: DatasetSpec, data_dir: Path) -> None:
@@ -64,9 +67,23 @@ def download(spec: DatasetSpec, data_dir: Path) -> None:
 def _one_writer(lock_path: Path) -> Iterator[None]:
     """Hold an exclusive lock on the file, waiting for another process's: flock works between processes and
     containers on one host and over NFS (as a POSIX lock), and the kernel drops it when its holder dies, so
-    a killed download blocks nobody."""
+    a killed download blocks nobody.
+
+    A file system without locks (Lustre mounted without its flock option, some FUSE file systems) refuses
+    with ENOSYS, EOPNOTSUPP or ENOLCK: the download goes on unlocked, with a warning. The lock only spares
+    the dataset's host a second download: each node still downloads into a staging folder of its own and
+    renames whole files into place, so no reader ever sees half a file either way."""
     with open(lock_path, "a+b") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        except OSError as error:
+            if error.errno not in NO_LOCKS:
+                raise
+            log.warning("%s: the file system has no file locks (%s; Lustre needs its flock mount option): nodes "
+                        "that share this folder may each download the dataset, each into a staging folder of its own",
+                        lock_path.parent, os.strerror(error.errno))
+            yield
+            return
         try:
             yield
         finally:

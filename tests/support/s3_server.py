@@ -1,0 +1,90 @@
+"""A real S3-compatible server on loopback for the tests: moto's standalone server (``moto_server``), the
+trainer reaching it through s3fs as it would reach AWS or MinIO (``AWS_ENDPOINT_URL`` and credentials in the
+environment, ``s3://bucket/...`` URLs)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from tests.support.procs import BIN_DIR, REPO_ROOT, clean_env, free_port, kill_session
+
+
+@dataclass
+class S3Server:
+    process: subprocess.Popen[bytes]
+    endpoint: str
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What a process needs to reach this server with s3fs (botocore reads these)."""
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "test-key",
+                "AWS_SECRET_ACCESS_KEY": "test-secret", "AWS_DEFAULT_REGION": "us-east-1"}
+
+    def new_bucket(self) -> str:
+        """A fresh, empty bucket (its name)."""
+        import boto3
+
+        name = f"ckpt-{uuid.uuid4().hex[:12]}"
+        boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="test-key",
+                     aws_secret_access_key="test-secret", region_name="us-east-1").create_bucket(Bucket=name)
+        return name
+
+    @contextlib.contextmanager
+    def stopped(self) -> Iterator[None]:
+        """The server frozen (SIGSTOP): connections are accepted by the kernel and never answered, as a hung
+        NFS server or an unreachable bucket behind a proxy; thawed afterwards."""
+        os.kill(self.process.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(self.process.pid, signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def s3_server(timeout_s: float = 60) -> Iterator[S3Server]:
+    port = free_port()
+    process = subprocess.Popen([str(BIN_DIR / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], env=clean_env(),
+                               cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert process.poll() is None, f"moto_server exited with {process.returncode}"
+            try:
+                urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=2).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"moto_server did not answer on {endpoint} in {timeout_s:g}s"
+                time.sleep(0.1)
+        yield S3Server(process, endpoint)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGCONT)
+        kill_session(process)
+        process.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def s3() -> Iterator[S3Server]:
+    """One S3 server for the session; each test takes a bucket of its own (``s3.new_bucket()``)."""
+    with s3_server() as server:
+        yield server
+
+
+@pytest.fixture
+def s3_env(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    """The server, reachable from this process's s3fs too."""
+    for name, value in s3.env.items():
+        monkeypatch.setenv(name, value)
+    return s3
