@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import time
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -16,12 +17,12 @@ import torch
 from tests.support.checkpoint_files import break_checkpoint, checkpoint_bytes
 from tests.support.checkpoints import state_at
 from trainer.checkpoint import CheckpointManager, Monitor, open_storage, verify
-from trainer.checkpoint.manager import InvalidCheckpoint
+from trainer.checkpoint.manager import RELEASE_AFTER_STALL_S, InvalidCheckpoint
 from trainer.checkpoint.storage import LocalStorage
 from trainer.config import CheckpointConfig, DistConfig
 from trainer.distributed import Runtime, destroy_process_group, init_process_group
 from trainer.env import identity_from_env
-from trainer.errors import CheckpointError
+from trainer.errors import EXIT_PEER_LOST, CheckpointError, StorageStalled
 
 
 @pytest.fixture(scope="module")
@@ -307,3 +308,24 @@ def test_async_save_copies_the_parameters_in_the_background_and_before_update_wa
     assert manager.last_timing.copied_later_bytes == weight.nbytes  # the weight's copy was the thread's
 
 
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_write_to_a_store_that_stops_answering_ends_within_the_deadline_as_retryable(manager_for, s3_env,
+                                                                                          asynchronous):
+    """A real S3 server, frozen (SIGSTOP) after the first save: the second save (or, asynchronous, the wait
+    for it) gives up after --checkpoint-timeout-s with StorageStalled (exit 200), and closing does not wait."""
+    location = f"s3://{s3_env.new_bucket()}/ckpt"
+    manager = manager_for(location, checkpoint_timeout_s=2, async_checkpoint=asynchronous)
+    save_steps(manager, [1])
+    with s3_env.stopped():
+        started = time.monotonic()
+        with pytest.raises(StorageStalled) as stalled:
+            manager.save(state_at(2))
+            manager.finish()
+        manager.close()
+        took = time.monotonic() - started
+    assert StorageStalled.exit_code == EXIT_PEER_LOST and 2 <= took < 2 + RELEASE_AFTER_STALL_S + 3, took
+    assert f"checkpoint {location}/step-00000002 was not written within 2s (--checkpoint-timeout-s)" in str(
+        stalled.value)
+    assert names(location) == ["step-00000001"]
