@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,9 +51,11 @@ from trainer.errors import (
     first_line,
     user_message,
 )
+from trainer.flight_recorder import apply_recorder_environment, dump_flight_recorder, reading_advice
 from trainer.gpu import apply_nccl_environment, checkpoint_layout, nccl_timeout_advice
+from trainer.liveness import PROGRESS_GRACE_S
 from trainer.loop import Trainer
-from trainer.preemption import PreemptionWatcher
+from trainer.preemption import FORCED_EXIT_CLEANUP_S, PreemptionWatcher
 from trainer.redact import redact
 from trainer.report import final_line, setup_logging, write_summary, writing
 from trainer.resume import check_resume
@@ -87,9 +90,10 @@ def run(task: str | type | None = None, argv: Sequence[str] | None = None, **set
         device = choose_device(config.dist, identity)
         if device.type == "cpu":
             torch.set_num_threads(threads_per_rank(config.dist, identity, dict(os.environ)))
-        if choose_backend(config.dist, device) == "nccl":
-            # Read by NCCL's process group when it is created: set before joining (trainer.gpu).
-            apply_nccl_environment(os.environ, config.output.output_dir)
+        if identity.distributed:  # read when the process group is created: set before joining
+            apply_recorder_environment(os.environ, config.output.output_dir)
+            if choose_backend(config.dist, device) == "nccl":
+                apply_nccl_environment(os.environ)
         with process_group(config.dist, identity, device) as runtime:
             train(config, spec, runtime)
         return EXIT_OK
@@ -110,6 +114,25 @@ def run(task: str | type | None = None, argv: Sequence[str] | None = None, **set
         print(f"[rank {rank}] {stopped}; exiting with {EXIT_PREEMPTED} so the launcher retries", file=sys.stderr,
               flush=True)
         return EXIT_PREEMPTED
+
+
+def _timeout_advice(runtime: Runtime) -> str:
+    """Where this rank's flight recorder went (written now, on any backend), and NCCL's own log."""
+    dumped = dump_flight_recorder(os.environ, runtime.identity.rank)
+    advice = f"; {reading_advice(dumped.parent)}" if dumped is not None else ""
+    return advice + (f"; {nccl_timeout_advice()}" if runtime.backend == "nccl" else "")
+
+
+def _exit_stuck(runtime: Runtime, diagnosis: str, checkpoints: CheckpointManager) -> None:
+    """The progress watchdog's end of a rank whose main thread is stuck (trainer.liveness): the diagnosis and
+    the flight recorder's dump, the lease released if it can be within seconds, then exit 200 at once (the main
+    thread cannot be unwound: it waits in the device or in a collective that never ends)."""
+    print(f"[rank {runtime.identity.rank}] error: {redact(diagnosis + _timeout_advice(runtime))}; exiting with "
+          f"{EXIT_PEER_LOST} so the launcher restarts the job from its last checkpoint", file=sys.stderr, flush=True)
+    releaser = threading.Thread(target=checkpoints.release_lease, name="lease-release", daemon=True)
+    releaser.start()
+    releaser.join(FORCED_EXIT_CLEANUP_S)
+    os._exit(EXIT_PEER_LOST)
 
 
 def write_config(output_dir: Path, shown_config: str) -> None:
@@ -157,15 +180,16 @@ def train(config: Config, spec: TaskSpec, runtime: Runtime) -> dict[str, object]
     watcher.install()  # before the slow parts, so an early SIGTERM is not lost
     checkpoints = CheckpointManager(config.checkpoint, config.checkpoint_dir, runtime, log, Monitor(*spec.monitor))
     watcher.before_forced_exit = checkpoints.release_lease
+    if runtime.liveness is not None:
+        runtime.liveness.watch_progress(config.dist.collective_timeout_s + PROGRESS_GRACE_S,
+                                        lambda diagnosis: _exit_stuck(runtime, diagnosis, checkpoints))
     try:
         result, trainer = _prepare_and_fit(config, spec, runtime, checkpoints, watcher, log, shown_config)
     except RuntimeError as error:
         if runtime.liveness is None or not TIMED_OUT.search(str(error)):
             raise
         diagnosis = runtime.liveness.diagnose(config.dist.collective_timeout_s)
-        if runtime.backend == "nccl":
-            diagnosis += "; " + nccl_timeout_advice(os.environ)
-        raise PeerLost(diagnosis) from None
+        raise PeerLost(diagnosis + _timeout_advice(runtime)) from None
     finally:
         checkpoints.close()  # the folder's lease, released whatever happened (a kill leaves it to expire)
         watcher.uninstall()

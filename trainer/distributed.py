@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from trainer.env import DistIdentity
 from trainer.errors import DeviceError, RendezvousError, UserError, first_line
-from trainer.liveness import Liveness
+from trainer.liveness import PROGRESS_GRACE_S, Liveness
 
 if TYPE_CHECKING:  # the config's choices come from registries whose modules import this one
     from trainer.config import DistConfig
@@ -124,6 +124,18 @@ def wait_for_master(addr: str, port: int, timeout_s: float, initial_delay_s: flo
         delay = min(delay * 2, max_delay_s)
 
 
+# How much later than --collective-timeout-s NCCL's watchdog may abort the process: after a gloo collective's
+# timeout (the stop vote) or the progress watchdog (trainer.liveness, PROGRESS_GRACE_S later) has named the late
+# rank, dumped the flight recorder and exited 200 by itself.
+NCCL_WATCHDOG_MARGIN_S = 60.0
+
+
+def nccl_timeout_s(collective_timeout_s: float) -> float:
+    """The NCCL process group's timeout: the trainer's diagnosis (PROGRESS_GRACE_S and a few seconds after
+    --collective-timeout-s at the latest) must end the process before NCCL's watchdog aborts it without one."""
+    return collective_timeout_s + max(NCCL_WATCHDOG_MARGIN_S, PROGRESS_GRACE_S * 3, 0.1 * collective_timeout_s)
+
+
 def init_process_group(config: DistConfig, identity: DistIdentity, device: torch.device) -> Runtime:
     backend = choose_backend(config, device)
     timeout = timedelta(seconds=config.collective_timeout_s)
@@ -137,8 +149,12 @@ def init_process_group(config: DistConfig, identity: DistIdentity, device: torch
             # Rank 0 hosts the store on MASTER_PORT; the others wait for it to listen.
             wait_for_master(identity.master_addr, identity.master_port, config.rendezvous_timeout_s)
         store = _store(identity, config)
+        # NCCL's watchdog ends the process at its timeout with no word of which rank was late: it is placed
+        # after the trainer's own diagnosis (the control group's gloo timeout, the progress watchdog).
+        training_timeout = timedelta(seconds=nccl_timeout_s(config.collective_timeout_s)) if backend == "nccl" \
+            else timeout
         dist.init_process_group(backend, store=store, rank=identity.rank, world_size=identity.world_size,
-                                timeout=timeout)
+                                timeout=training_timeout)
         control = dist.new_group(backend="gloo", timeout=timeout)
         return Runtime(identity, device, backend, Liveness(store, identity, config.collective_timeout_s), control)
     return Runtime(identity, device, backend)

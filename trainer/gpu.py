@@ -1,5 +1,6 @@
 """What a GPU run sets up that a CPU run does not: channels-last memory and cuDNN's autotuner where they
-help, NCCL's asynchronous error handling and flight recorder, and the advice a timed-out NCCL collective needs.
+help, NCCL's asynchronous error handling with a timeout placed after the trainer's own diagnosis, and the
+advice a timed-out NCCL collective needs (the flight recorder is trainer.flight_recorder's, for every backend).
 
 Everything here is decided from the config and the device, and told in one log line (``describe``); none of
 it changes what a CPU run does.
@@ -7,10 +8,8 @@ it changes what a CPU run does.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,21 +20,14 @@ from trainer.task import map_tensors
 __all__ = ["DeviceTuning", "apply_nccl_environment", "checkpoint_layout", "choose_tuning", "nccl_environment",
            "nccl_timeout_advice"]
 
-# The flight recorder's dumps, one file per rank, under the run's output folder.
-FLIGHT_RECORDER_DIR = "nccl-flight-recorder"
-FLIGHT_RECORDER_PREFIX = "rank-"
-
 NCCL_DEFAULTS = {
-    # A collective past --collective-timeout-s aborts its communicator and ends the process (the launcher
-    # restarts the job), instead of leaving a GPU kernel spinning on a peer that is gone.
+    # A collective past NCCL's timeout aborts its communicator and ends the process (the launcher restarts the
+    # job), instead of leaving a GPU kernel spinning on a peer that is gone. NCCL's timeout is later than
+    # --collective-timeout-s (trainer.distributed.nccl_timeout_s): the trainer's own diagnosis comes first.
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-    # The flight recorder: each rank keeps its last 2000 collectives (op, sizes, state, stack) and writes
-    # them out on a timeout, so the dumps show which rank never joined which collective.
-    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+    # NCCL's watchdog also dumps the flight recorder (trainer.flight_recorder) when it fires.
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
 }
-
-
 @dataclass(frozen=True)
 class DeviceTuning:
     """Per-run choices that only matter on CUDA."""
@@ -91,32 +83,19 @@ def _decide(setting: str, auto: bool) -> bool:
     return auto if setting == "auto" else setting == "on"
 
 
-def nccl_environment(environ: Mapping[str, str], output_dir: str) -> dict[str, str]:
-    """The NCCL settings this run adds to its environment: the defaults above and the flight recorder's
-    dump path, each only where the user has not set it (theirs always win)."""
-    dump = str(Path(output_dir).resolve() / FLIGHT_RECORDER_DIR / FLIGHT_RECORDER_PREFIX)
-    # PyTorch reads the dump path under its newer name and, before 2.7, its older one.
-    wanted = {**NCCL_DEFAULTS, "TORCH_FR_DUMP_TEMP_FILE": dump, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": dump}
-    return {name: value for name, value in wanted.items() if name not in environ}
+def nccl_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The NCCL settings this run adds to its environment, each only where the user has not set it."""
+    return {name: value for name, value in NCCL_DEFAULTS.items() if name not in environ}
 
 
-def apply_nccl_environment(environ: MutableMapping[str, str], output_dir: str) -> dict[str, str]:
-    """Set nccl_environment's values before the NCCL process group exists (it reads them when created); the
-    dump folder is made now, best effort: an output folder that cannot be written fails later, clearly."""
-    added = nccl_environment(environ, output_dir)
+def apply_nccl_environment(environ: MutableMapping[str, str]) -> dict[str, str]:
+    """Set nccl_environment's values before the NCCL process group exists (it reads them when created)."""
+    added = nccl_environment(environ)
     environ.update(added)
-    with contextlib.suppress(OSError):
-        Path(environ["TORCH_FR_DUMP_TEMP_FILE"]).parent.mkdir(parents=True, exist_ok=True)
     return added
 
 
-def nccl_timeout_advice(environ: Mapping[str, str]) -> str:
-    """What to do after an NCCL collective timed out: NCCL's own log, and where the flight recorder wrote."""
-    advice = ("for NCCL's own account of it, run again with NCCL_DEBUG=INFO (and NCCL_DEBUG_SUBSYS=INIT,NET "
-              "when ranks cannot connect)")
-    dump = environ.get("TORCH_FR_DUMP_TEMP_FILE") or environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
-    if dump and environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT") == "1":
-        folder, prefix = Path(dump).parent, Path(dump).name
-        advice += (f"; each rank's last collectives are in {folder}/{prefix}N (compare them with "
-                   f"`torchfrtrace {folder} -p {prefix}`: it names the first collective a rank never joined)")
-    return advice
+def nccl_timeout_advice() -> str:
+    """What to do after an NCCL collective timed out, besides the flight recorder's dump: NCCL's own log."""
+    return ("for NCCL's own account of it, run again with NCCL_DEBUG=INFO (and NCCL_DEBUG_SUBSYS=INIT,NET "
+            "when ranks cannot connect)")

@@ -9,6 +9,11 @@ whole process stops (SIGSTOP, a frozen VM, swapping to death), not while the mai
 
 When a collective itself times out, ``diagnose`` reads the heartbeats to say which rank was late and
 whether it is stalled (silent) or alive but elsewhere (another step, other work).
+
+A rank whose main thread is stuck where no collective of ours times out (a device synchronisation behind an
+NCCL kernel that never ends, a deadlock in a user's code) is found by ``watch_progress``: during training,
+a micro-batch that does not end within the stuck-after time ends the process with the diagnosis, before
+NCCL's own watchdog would abort it without one (trainer.gpu gives NCCL's timeout a margin beyond this).
 """
 
 from __future__ import annotations
@@ -34,7 +39,10 @@ HEARTBEAT_KEY = "ddp-deploy/heartbeat/"
 DONE_KEY = "ddp-deploy/done/"
 # A diagnosis after a timeout watches the heartbeats this long: several beats, so a silent rank is stalled.
 DIAGNOSIS_WATCH_S = 3.0
-STORE_READ_TIMEOUT_S = 5.0  # the least time a store read is given (more where --collective-timeout-s is more)
+STORE_READ_TIMEOUT_S = 5.0
+# The progress watchdog gives a stuck micro-batch --collective-timeout-s and this long: a collective that
+# times out on its own (gloo) is diagnosed first, in the main thread.
+PROGRESS_GRACE_S = 10.0  # the least time a store read is given (more where --collective-timeout-s is more)
 T = TypeVar("T")
 
 
@@ -49,11 +57,12 @@ class Beat:
     count: int
     step: int
     doing: str
+    progress: int = 0  # points of the training loop passed (Liveness.made_progress)
 
     @classmethod
     def parse(cls, raw: bytes) -> Beat:
-        count, step, doing = raw.decode().split(" ", 2)
-        return cls(int(count), int(step), doing)
+        count, step, progress, doing = raw.decode().split(" ", 3)
+        return cls(int(count), int(step), doing, int(progress))
 
 
 class Liveness:
@@ -70,13 +79,44 @@ class Liveness:
         self._stop = threading.Event()
         self._count = 0
         self._rounds = 0
+        self.progress = 0  # points of the training loop this rank has passed (made_progress)
         self._beat()  # at once: a peer that looks before the first interval finds one
         self._thread = threading.Thread(target=self._beat_until_stopped, name="heartbeat", daemon=True)
         self._thread.start()
+        self._watchdog: threading.Thread | None = None
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=STORE_READ_TIMEOUT_S)
+        if self._watchdog is not None:
+            self._watchdog.join(timeout=STORE_READ_TIMEOUT_S)
+
+    # -- a stuck main thread -------------------------------------------------------------------------------
+    def made_progress(self) -> None:
+        """The main thread passed a point of the training loop: a micro-batch's loss, its end."""
+        self.progress += 1
+
+    def watch_progress(self, stuck_after_s: float, on_stuck: Callable[[str], None],
+                       look_every_s: float = 1.0) -> None:
+        """From a thread: while training, after this rank's first micro-batch (whose compilation and first data
+        may take long), ``stuck_after_s`` without another one calls ``on_stuck`` once with what this rank was
+        doing and what the others are doing (``diagnose``). ``on_stuck`` ends the process."""
+        def watch() -> None:
+            seen, since = self.progress, time.monotonic()
+            while not self._stop.wait(look_every_s):
+                now = time.monotonic()
+                if self.progress != seen or self.doing != "training" or self.progress == 0:
+                    seen, since = self.progress, now
+                    continue
+                if now - since > stuck_after_s:
+                    others = self.others() or "rank 0, which hosts the job's store, does not answer: it is gone"
+                    on_stuck(f"rank {self.identity.rank}'s training made no progress for {now - since:.0f}s at step "
+                             f"{self.step} (stuck waiting for a device synchronisation or a collective that never "
+                             f"completes, or in the task's own code); the others: {others}")
+                    return
+
+        self._watchdog = threading.Thread(target=watch, name="progress-watchdog", daemon=True)
+        self._watchdog.start()
 
     # -- this rank -----------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -91,7 +131,8 @@ class Liveness:
     def _beat(self) -> None:
         self._count += 1
         # One word-separated value: the step and the doing are read at once with the count.
-        self._beater_store.set(f"{HEARTBEAT_KEY}{self.identity.rank}", f"{self._count} {self.step} {self.doing}")
+        self._beater_store.set(f"{HEARTBEAT_KEY}{self.identity.rank}",
+                               f"{self._count} {self.step} {self.progress} {self.doing}")
 
     def _beat_until_stopped(self) -> None:
         while not self._stop.wait(self.beat_every_s):
@@ -133,6 +174,10 @@ class Liveness:
         Waits as long as the ranks not done yet keep beating; raises PeerLost naming a rank silent for
         ``silent_after_s``. Every rank calls it the same number of times in the same order.
         """
+        with self.busy(f"waiting for {what}"):  # not stuck: the progress watchdog leaves such waits alone
+            self._wait_for_all(what)
+
+    def _wait_for_all(self, what: str) -> None:
         self._rounds += 1
         prefix = f"{DONE_KEY}{self._rounds}/"
         pending = [rank for rank in range(self.identity.world_size) if rank != self.identity.rank]
@@ -162,6 +207,15 @@ class Liveness:
     def diagnose(self, timeout_s: float, watch_s: float = DIAGNOSIS_WATCH_S) -> str:
         """After a collective timed out: which ranks were late, and whether they are stalled or elsewhere
         (their heartbeats watched for ``watch_s``, several beats)."""
+        where = self.others(watch_s)
+        if where is None:
+            return (f"a collective timed out after {timeout_s:g}s (--collective-timeout-s), and rank 0, which hosts "
+                    f"the job's store, does not answer either: it is stopped, frozen or gone")
+        return f"a collective at step {self.step} timed out after {timeout_s:g}s (--collective-timeout-s): {where}"
+
+    def others(self, watch_s: float = DIAGNOSIS_WATCH_S) -> str | None:
+        """What the other ranks are doing, their heartbeats watched for ``watch_s``; None if the store (rank 0)
+        does not answer."""
         others = [rank for rank in range(self.identity.world_size) if rank != self.identity.rank]
         try:
             watch = _Watch(self, others)
@@ -169,8 +223,7 @@ class Liveness:
             silent = dict(watch.silent(others, watch_s - self.beat_every_s / 2))
             beats = watch.read(others)
         except (StoreSilent, RuntimeError, OSError):
-            return (f"a collective timed out after {timeout_s:g}s (--collective-timeout-s), and rank 0, which hosts "
-                    f"the job's store, does not answer either: it is stopped, frozen or gone")
+            return None
         late = []
         for rank in others:
             beat = silent.get(rank) or beats.get(rank)
@@ -180,9 +233,10 @@ class Liveness:
                             f"file system)")
             elif beat is not None and (beat.step != self.step or beat.doing != self.doing):
                 late.append(f"rank {rank} is alive but at step {beat.step}, {beat.doing}")
-        where = "; ".join(late) or "every rank is alive and at the same step (a network problem between them?)"
-        return (f"a collective at step {self.step} timed out after {timeout_s:g}s (--collective-timeout-s): "
-                f"{where}")
+            elif beat is not None and beat.progress < self.progress:
+                late.append(f"rank {rank} is alive at step {beat.step} but behind this rank inside it (stuck in its "
+                            f"forward pass or loss, or waiting for its device)")
+        return "; ".join(late) or "every rank is alive and at the same step (a network problem between them?)"
 
 
 class _Watch:

@@ -148,6 +148,8 @@ class Trainer:
                     with setup.autocast():
                         outputs = setup.model(inputs)
                         loss = setup.task.loss(outputs, targets)
+                    if runtime.liveness is not None:
+                        runtime.liveness.made_progress()  # a rank stuck before its backward is told from the others
                     setup.scaler.scale(share_of_step(loss, mine, world_size, step_samples)).backward()
                 if mine:  # a placeholder batch trains nothing and counts in no metric
                     self.train_metrics.update(loss.detach(), detached(outputs), targets)
@@ -155,6 +157,8 @@ class Trainer:
                     self._record_samples(batch_order[index][:mine])
                 self.position.samples_in_epoch = min(train_size, self.position.samples_in_epoch + global_samples)
                 self.position.samples_seen += global_samples
+                if runtime.liveness is not None:
+                    runtime.liveness.made_progress()  # the progress watchdog's sign of life (trainer.liveness)
                 micro += 1
                 if not final_micro:
                     continue

@@ -3,6 +3,8 @@ processes, checkpoints on storage that writes slowly (tests/workers/slow_storage
 
 from __future__ import annotations
 
+import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -10,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from tests.support.procs import REPO_ROOT, clean_env, free_port, kill_session, run, torchrun_command
+from tests.support.procs import REPO_ROOT, clean_env, env_ranks, free_port, kill_session, run, torchrun_command
 from trainer.checkpoint import open_storage, verify
 from trainer.errors import EXIT_PEER_LOST, EXIT_PREEMPTED
 
@@ -144,3 +146,31 @@ def test_a_second_signal_during_a_save_exits_at_once_keeping_the_last_checkpoint
     assert code == EXIT_PREEMPTED and took_s < 5, (code, took_s, started.stderr[-3000:])
     assert "second SIGINT: exiting now without a new checkpoint" in started.stderr
     assert open_storage(str(checkpoints)).list_checkpoints() == ["step-00000001"]
+
+
+def test_a_rank_stuck_outside_any_collective_ends_itself_with_a_diagnosis_and_a_flight_recorder_dump(tmp_path):
+    """Rank 1 hangs inside its step (tests.support.tasks:HangsTask). Rank 0's collective times out after 4 s:
+    it names the timeout and writes its flight-recorder dump, exit 200. Rank 1, where nothing times out, is
+    ended by its progress watchdog 10 s later, with its own diagnosis and dump, exit 200: on NCCL, whose
+    watchdog would abort it with neither, NCCL's timeout is placed a minute after."""
+    args = ["--task", "tests.support.tasks:HangsTask", "--batch-size", "4", "--epochs", "1", "--progress", "off",
+            "--no-tensorboard", "--collective-timeout-s", "4", "--output-dir", str(tmp_path)]
+    started = time.monotonic()
+    ranks = env_ranks(args, world_size=2, timeout_s=120)
+    took = time.monotonic() - started
+    assert [result.returncode for result in ranks] == [EXIT_PEER_LOST, EXIT_PEER_LOST], ranks[1].stderr[-3000:]
+    assert took < 60, took
+    lines = [[line for line in result.stderr.splitlines() if "error:" in line] for result in ranks]
+    assert [len(found) for found in lines] == [1, 1] and "Traceback" not in ranks[1].stderr, lines
+    assert "timed out after 4s (--collective-timeout-s): rank 1 is alive at step 2 but behind this rank inside it " \
+           "(stuck in its forward pass or loss" in lines[0][0]
+    assert re.search(r"rank 1's training made no progress for 1\ds at step \d+ \(stuck waiting for a device",
+                     lines[1][0]), lines[1][0]
+    folder = tmp_path / "flight-recorder"
+    for rank, [line] in enumerate(lines):
+        assert f"each rank's last collectives are in {folder}/rank-N (compare them with `torchfrtrace {folder} " \
+               f"-p rank-`" in line, line
+        record = pickle.loads((folder / f"rank-{rank}").read_bytes())
+        assert record["entries"] and all(entry["profiling_name"].startswith("gloo:") for entry in record["entries"])
+    # Rank 0's record ends with the collective rank 1 never joined: started, never completed.
+    assert pickle.loads((folder / "rank-0").read_bytes())["entries"][-1]["state"] != "completed"

@@ -8,6 +8,8 @@ one of the trainer's. Used as ``--task tests.support.tasks:TokenTask``.
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -168,3 +170,21 @@ class ViewTask(Task[NoOptions]):
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(outputs.float(), targets)
+
+
+class HangsTask(ViewTask):
+    """Rank 1's main thread hangs in its sixth loss (the fifth training micro-batch): what a device
+    synchronisation behind an NCCL kernel that never ends looks like from Python. No collective of its own
+    times out there: only the progress watchdog can end it."""
+
+    name = "hangs"
+    calls = 0
+
+    def model(self, data: TaskData) -> nn.Module:
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, 2))
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if os.environ.get("RANK") == "1" and self.calls == 6:
+            time.sleep(3600)
+        return super().loss(outputs, targets)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import pickle
 
 import pytest
 import torch
@@ -10,10 +11,17 @@ from torch import nn
 
 from trainer.build import build_training
 from trainer.cli import parse_config
-from trainer.distributed import Runtime
+from trainer.distributed import Runtime, nccl_timeout_s
 from trainer.env import identity_from_env
 from trainer.errors import TaskError
-from trainer.gpu import apply_nccl_environment, choose_tuning, nccl_environment, nccl_timeout_advice
+from trainer.flight_recorder import (
+    apply_recorder_environment,
+    dump_flight_recorder,
+    reading_advice,
+    recorder_environment,
+)
+from trainer.gpu import choose_tuning, nccl_environment, nccl_timeout_advice
+from trainer.liveness import PROGRESS_GRACE_S
 
 ONE_PROCESS = Runtime(identity_from_env({}), torch.device("cpu"), "gloo")
 CUDA = torch.device("cuda", 0)  # a device object only: nothing runs on it
@@ -53,24 +61,33 @@ def test_a_run_with_channels_last_on_builds_an_nhwc_model_and_feeds_it_nhwc_batc
     assert setup.tuning.cudnn_benchmark is False  # auto, on a CPU
 
 
-def test_the_nccl_defaults_leave_the_users_own_settings_alone(tmp_path):
-    added = nccl_environment({"TORCH_NCCL_TRACE_BUFFER_SIZE": "50"}, str(tmp_path / "run"))
-    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in added
-    assert added["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and added["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
-    assert added["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "run" / "nccl-flight-recorder" / "rank-")
+def test_the_nccl_and_flight_recorder_defaults_leave_the_users_own_settings_alone(tmp_path):
+    added = recorder_environment({"TORCH_FR_BUFFER_SIZE": "50"}, str(tmp_path / "run"))
+    assert "TORCH_FR_BUFFER_SIZE" not in added and added["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+    assert added["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "run" / "flight-recorder" / "rank-")
     assert added["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == added["TORCH_FR_DUMP_TEMP_FILE"]
+    nccl = nccl_environment({"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"})
+    assert nccl == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
 
 
-def test_the_flight_recorder_folder_is_made_and_named_in_the_timeout_advice(tmp_path):
+def test_nccl_s_watchdog_fires_after_the_trainers_own_diagnosis():
+    """NCCL aborts the process at its timeout without naming a late rank: it must come after the gloo
+    collectives' timeout and the progress watchdog's (PROGRESS_GRACE_S later), with room for the diagnosis."""
+    for collective_timeout_s in (4, 600, 3600):
+        assert nccl_timeout_s(collective_timeout_s) >= collective_timeout_s + PROGRESS_GRACE_S + 20
+    assert nccl_timeout_s(600) == 660 and nccl_timeout_s(3600) == 3960
+
+
+def test_the_flight_recorder_folder_is_made_and_each_rank_s_record_dumped_there(tmp_path):
     environ: dict[str, str] = {}
-    apply_nccl_environment(environ, str(tmp_path / "run"))
-    assert (tmp_path / "run" / "nccl-flight-recorder").is_dir()
-    advice = nccl_timeout_advice(environ)
-    assert "NCCL_DEBUG=INFO" in advice
-    assert f"`torchfrtrace {tmp_path}/run/nccl-flight-recorder -p rank-`" in advice
-    # The dump is named only where the recorder dumps: the same path with dumps turned off gives no advice on it.
-    no_dumps = nccl_timeout_advice({**environ, "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"})
-    assert "torchfrtrace" not in no_dumps and "nccl-flight-recorder" not in no_dumps
+    apply_recorder_environment(environ, str(tmp_path / "run"))
+    assert (tmp_path / "run" / "flight-recorder").is_dir()
+    dumped = dump_flight_recorder(environ, rank=3)
+    assert dumped == tmp_path / "run" / "flight-recorder" / "rank-3"
+    assert set(pickle.loads(dumped.read_bytes())) >= {"version", "entries"}
+    advice = reading_advice(dumped.parent)
+    assert f"`torchfrtrace {tmp_path}/run/flight-recorder -p rank-`" in advice
+    assert "NCCL_DEBUG=INFO" in nccl_timeout_advice()
 
 
 def test_the_autotuner_setting_is_applied_to_cudnn():

@@ -374,7 +374,8 @@ class CheckpointManager:
     def _wait_for_writer(self) -> tuple[str | None, bool]:
         """The background write's error, if any, and whether it stalled past --checkpoint-timeout-s."""
         if self._writer is not None:
-            self._writer.join(max(0.0, self._writer_deadline - time.monotonic()))
+            with self.runtime.busy(f"waiting for checkpoint {self._writer_name} to be written"):
+                self._writer.join(max(0.0, self._writer_deadline - time.monotonic()))
             if self._writer.is_alive():
                 self._stalled = True
                 return self._stalled_message(self._writer_name), True
