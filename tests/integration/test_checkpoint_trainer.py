@@ -158,6 +158,21 @@ def test_an_async_run_stopped_and_resumed_ends_identical_to_a_sync_run(reference
     assert_same_tensors(final_params(tmp_path / "checkpoints"), final_params(reference))
 
 
+def test_every_asynchronous_checkpoint_followed_by_training_equals_the_synchronous_one(reference, tmp_path):
+    """The checkpoints of steps 2-14 each have training after them, which goes on while the background thread
+    copies the parameters; that copy starts 0.3 s late here (tests/workers/slow_copy.py), so that an optimizer
+    step not held back by before_update() would change them first."""
+    result = run([sys.executable, "-m", "tests.workers.slow_copy", *COMMON, "--async-checkpoint", "--keep-last", "10",
+                  "--output-dir", str(tmp_path)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    storage, expected = open_storage(str(tmp_path / "checkpoints")), open_storage(str(reference))
+    assert storage.list_checkpoints() == expected.list_checkpoints() and len(storage.list_checkpoints()) == 8
+    for name in storage.list_checkpoints():
+        written, wanted = verify(storage, name).state, verify(expected, name).state
+        assert_same_tensors({"model": written.model, "optimizer": written.optimizer},
+                            {"model": wanted.model, "optimizer": wanted.optimizer}, name)
+
+
 @pytest.mark.parametrize("scheme", ["memory", "file"])
 def test_an_fsspec_checkpoint_url_keeps_the_last_k_and_resumes_exactly(scheme, reference, tmp_path, monkeypatch):
     """In this process, so that the memory:// file system is the test's own."""

@@ -1,0 +1,28 @@
+"""The trainer with an asynchronous save whose deferred copy of the parameters starts late, as when the copy
+competes with training for memory bandwidth or waits for a busy GPU.
+
+``python -m tests.workers.slow_copy [trainer flags] --async-checkpoint``: each background write waits
+SLOW_COPY_S seconds (default 0.3) before it copies the tensors it was handed. Training goes on meanwhile:
+only ``before_update`` keeps the next optimizer step from changing the parameters before they are copied.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import trainer
+from trainer.checkpoint.manager import CheckpointManager
+
+_write_in_background = CheckpointManager._write_in_background
+
+
+def _late_copy(self: CheckpointManager, *args: object) -> None:
+    time.sleep(float(os.environ.get("SLOW_COPY_S", "0.3")))
+    _write_in_background(self, *args)  # type: ignore[arg-type]
+
+
+if __name__ == "__main__":
+    CheckpointManager._write_in_background = _late_copy  # type: ignore[method-assign]
+    sys.exit(trainer.run())
