@@ -3,6 +3,7 @@ process with the doubled batch, and gradient accumulation equals the bigger batc
 
 from __future__ import annotations
 
+import pickle
 import sys
 from pathlib import Path
 
@@ -46,9 +47,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, torch.
     for name, (nproc, args) in configs.items():
         output = tmp_path_factory.mktemp(name.replace(" ", "-"))
         all_args = [*BASE, *args, "--output-dir", str(output)]
-        result = torchrun(all_args, nproc=nproc) if nproc > 1 else run([sys.executable, "-m", "trainer", *all_args])
+        # The two-rank runs record every collective they make (tests/workers/flight_record.py).
+        result = torchrun(all_args, nproc=nproc, module="tests.workers.flight_record") if nproc > 1 else \
+            run([sys.executable, "-m", "trainer", *all_args])
         assert result.returncode == 0, f"{name}: {result.stderr[-3000:]}"
         models[name] = model_after(output)
+        if nproc > 1:
+            models[f"{name} collectives"] = [pickle.loads((output / "flight-recorder" / f"rank-{rank}").read_bytes())
+                                             for rank in range(nproc)]
     return models
 
 
@@ -71,5 +77,16 @@ def test_gradient_accumulation_equals_the_larger_batch(runs):
     assert_close(runs["single 1x8 accumulate 2"], runs["single 1x16"])
 
 
-def test_accumulation_under_ddp_syncs_once_and_equals_the_larger_batch(runs):
+def gradient_reductions(record: dict) -> int:
+    """DDP's all-reduces of the gradients: the training group's, of one bucket holding all of LeNet's gradients."""
+    parameters = sum(tensor.numel() for tensor in build_model("lenet", 1, (28, 28), 10).parameters())
+    return sum(1 for entry in record["entries"] if entry["profiling_name"] == "gloo:all_reduce"
+               and entry["input_sizes"] == [[parameters]])
+
+
+def test_accumulation_under_ddp_syncs_once_per_optimizer_step_and_equals_the_larger_batch(runs):
     assert_close(runs["ddp 2x4 accumulate 2"], runs["single 1x16"])
+    # 6 optimizer steps of 2 micro-batches: 6 reductions (12 if every micro-batch synchronised), and one for DDP's
+    # bucket priming (trainer.gradsync.DDPSync.prime), on each rank.
+    assert [gradient_reductions(record) for record in runs["ddp 2x4 accumulate 2 collectives"]] == [7, 7]
+    assert [gradient_reductions(record) for record in runs["ddp 2x8 collectives"]] == [7, 7]
