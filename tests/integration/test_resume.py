@@ -160,3 +160,21 @@ def test_a_channels_last_async_run_with_the_fused_optimizer_resumes_bitwise_in_i
     final = final_state(tmp_path / "switched")
     assert final["model"]["features.0.weight"].is_contiguous()
     assert all(value.is_contiguous() for entry in final["optimizer"]["state"].values() for value in entry.values())
+
+
+def test_sigterm_to_one_rank_only_stops_every_rank_at_the_same_step_and_resumes_exactly(reference, tmp_path):
+    """What a node's own preemption does (only its processes are signalled): the ranks agree on the stop by
+    their vote, write one checkpoint of the same step and all exit 143."""
+    process = _start_torchrun(tmp_path)
+    wait_for_checkpoint(tmp_path / "checkpoints", process)
+    os.kill(_worker_pid(process.pid, rank=1), signal.SIGTERM)  # rank 1 alone; torchrun and rank 0 are not told
+    _, stderr = process.communicate(timeout=120)
+    stops = re.findall(r"\[rank (\d)\] preempted at step (\d+); checkpoint written; exiting with 143", stderr)
+    assert sorted(rank for rank, _ in stops) == ["0", "1"], stderr[-3000:]
+    [(step)] = {int(step) for _, step in stops}
+    name, manifest, _ = newest_checkpoint(tmp_path / "checkpoints")
+    assert manifest["step"] == step and 0 < step < 20, (name, step)
+    resumed = torchrun(run_args(tmp_path), nproc=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert summary(tmp_path)["resumed_from"].endswith(name)
+    assert_same_tensors(final_state(tmp_path), reference)
