@@ -4,6 +4,7 @@ machine has two GPUs. Real runs of the trainer and the doctor, one process per G
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.gpu.conftest import not_run
 from tests.support.checkpoints import newest_checkpoint, summary
 from tests.support.procs import run, torchrun
 from trainer.config import DistConfig
@@ -70,16 +72,60 @@ def test_compiled_model_trains(tmp_path):
     assert summary(tmp_path / "run")["global_step"] == STEPS
 
 
-def test_a_gpu_checkpoint_resumes_on_the_cpu_and_a_cpu_checkpoint_on_the_gpu(tmp_path):
-    output = tmp_path / "run"
-    train(output, "--epochs", "1")
-    on_cpu = train(output, "--epochs", "2", "--device", "cpu")
+@pytest.mark.parametrize("saves", ["sync", "async"])
+def test_a_gpu_checkpoint_resumes_on_the_cpu_and_back_tensor_by_tensor_like_an_uninterrupted_run(tmp_path, saves):
+    """GPU for an epoch, CPU for the second, GPU for the third, against three uninterrupted GPU epochs. The CPU's
+    arithmetic differs from the GPU's in the last bits, so tensors are compared within float32 tolerances; every
+    optimizer state is laid out like its parameter (channels-last, kept by --channels-last auto on the CPU)."""
+    extra = ["--async-checkpoint"] if saves == "async" else []
+    train(tmp_path / "uninterrupted", "--epochs", "3", "--cudnn-benchmark", "off", *extra)
+    output = tmp_path / "moved"
+    train(output, "--epochs", "1", "--cudnn-benchmark", "off", *extra)
+    on_cpu = train(output, "--epochs", "2", "--device", "cpu", *extra)
     assert "device cpu, backend gloo" in on_cpu.stderr
     assert summary(output)["resumed_from"].endswith(f"step-{STEPS:08d}")
-    back = train(output, "--epochs", "3")
+    back = train(output, "--epochs", "3", "--cudnn-benchmark", "off", *extra)
     assert "device cuda:0, backend nccl" in back.stderr
     assert summary(output)["resumed_from"].endswith(f"step-{2 * STEPS:08d}")
-    assert summary(output)["global_step"] == 3 * STEPS
+    _, _, moved = newest_checkpoint(output / "checkpoints")
+    _, _, straight = newest_checkpoint(tmp_path / "uninterrupted" / "checkpoints")
+    assert moved["position"] == straight["position"] and moved["position"]["step"] == 3 * STEPS
+    for part in ("model", "optimizer"):
+        assert_close_tensors(moved[part], straight[part], part)
+    weights = moved["model"]["features.0.weight"]
+    assert weights.is_contiguous(memory_format=torch.channels_last)
+    for index, entry in moved["optimizer"]["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.dim() == 4:
+                assert value.is_contiguous(memory_format=torch.channels_last), (index, key)
+
+
+def assert_close_tensors(left: object, right: object, path: str) -> None:
+    if isinstance(left, torch.Tensor):
+        assert isinstance(right, torch.Tensor), path
+        torch.testing.assert_close(left.float(), right.float(), rtol=1e-3, atol=1e-5, msg=path)
+    elif isinstance(left, dict):
+        assert isinstance(right, dict) and left.keys() == right.keys(), path
+        for key in left:
+            assert_close_tensors(left[key], right[key], f"{path}/{key}")
+    elif isinstance(left, list | tuple):
+        assert isinstance(right, list | tuple) and len(left) == len(right), path
+        for index, (a, b) in enumerate(zip(left, right, strict=True)):
+            assert_close_tensors(a, b, f"{path}/{index}")
+    else:
+        assert left == right, path
+
+
+def test_channels_last_auto_falls_back_for_a_model_that_calls_view(tmp_path):
+    result = train(tmp_path / "run", "--task", "tests.support.tasks:ViewTask", "--batch-size", "8", "--epochs", "1")
+    assert "fails in channels-last memory layout" in result.stderr and "training in the default layout" in result.stderr
+
+
+def test_the_control_group_is_gloo_beside_nccl_with_two_processes_on_one_gpu():
+    result = torchrun(["cuda"], nproc=2, module="tests.workers.group_backends", timeout_s=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(re.findall(r"rank (\d) training (\w+) control (\w+)", result.stdout)) == [
+        ("0", "nccl", "gloo"), ("1", "nccl", "gloo")]
 
 
 def test_data_parallel_sync_method_trains_on_cuda(tmp_path):
@@ -96,7 +142,19 @@ def test_the_doctor_passes_on_nccl():
 
 def test_two_ranks_over_nccl_with_pytorchs_sync_batchnorm(tmp_path):
     if torch.cuda.device_count() < 2:
-        pytest.skip(f"two-rank NCCL needs 2 GPUs; this machine has {torch.cuda.device_count()}")
+        not_run(f"two-rank NCCL training needs 2 GPUs; this machine has {torch.cuda.device_count()}")
     result = train(tmp_path / "run", "--epochs", "1", "--sync-bn", nproc=2)
     assert "BatchNorm layer(s) of the model synchronised across 2 ranks" in result.stderr
     assert summary(tmp_path / "run")["global_step"] == STEPS // 2
+
+
+def test_a_timed_out_nccl_collective_is_diagnosed_with_a_dump_before_nccl_aborts(tmp_path):
+    """Rank 1 hangs inside its step (tests.support.tasks:HangsTask): rank 0 names it and dumps its flight record,
+    rank 1's progress watchdog ends it, both exit 200, before NCCL's watchdog (a minute later) aborts."""
+    if torch.cuda.device_count() < 2:
+        not_run(f"a two-rank NCCL timeout needs 2 GPUs; this machine has {torch.cuda.device_count()}")
+    result = torchrun(["--task", "tests.support.tasks:HangsTask", "--batch-size", "4", "--epochs", "1",
+                       "--progress", "off", "--no-tensorboard", "--collective-timeout-s", "10", "--output-dir",
+                       str(tmp_path)], nproc=2, timeout_s=300)
+    assert "exiting with 200" in result.stderr and "SIGABRT" not in result.stderr, result.stderr[-4000:]
+    assert (tmp_path / "flight-recorder" / "rank-0").is_file() and (tmp_path / "flight-recorder" / "rank-1").is_file()

@@ -5,8 +5,9 @@ with CUDA's own sync detector). Two real ranks; each records its stop votes and 
 from __future__ import annotations
 
 import json
+import re
 
-from tests.support.procs import env_ranks
+from tests.support.procs import env_ranks, torchrun
 
 LOG_EVERY = 4
 STEPS = 16  # 2 ranks x 8 samples a step, 256 samples: one epoch
@@ -35,3 +36,11 @@ def test_one_stop_vote_per_step_and_no_host_read_outside_log_steps(tmp_path):
         assert {step: n for step, n in reads.items() if step not in log_steps} == dict.fromkeys(
             sorted(set(reads) - log_steps), 0), f"rank {rank}: host reads per step {reads}"
         assert all(reads[step] > 0 for step in log_steps), f"rank {rank}: a log step reads its metrics: {reads}"
+
+
+def test_the_control_group_is_gloo_whatever_the_training_backend_reports_each_rank():
+    """The worker the GPU suite runs on one GPU with NCCL (tests/gpu), run here on CPU: it reports both groups."""
+    result = torchrun(["cpu"], nproc=2, module="tests.workers.group_backends", timeout_s=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(re.findall(r"rank (\d) training (\w+) control (\w+)", result.stdout)) == [
+        ("0", "gloo", "gloo"), ("1", "gloo", "gloo")]
