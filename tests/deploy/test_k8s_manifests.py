@@ -334,3 +334,14 @@ def test_a_bad_image_reference_is_refused_in_one_line_and_changes_nothing(k8s_co
     (line,) = [line for line in made.stderr.splitlines() if not line.startswith("make")]
     assert line.startswith(message), line
     assert {path: path.read_text() for path in before} == before
+
+
+def test_the_trainjob_s_network_policy_selects_the_labels_its_pods_carry():
+    """JobSet labels the pods of a TrainJob with jobset.sigs.k8s.io/jobset-name (the TrainJob's name); they
+    carry no training.kubeflow.org/job-name, so a policy selecting that would isolate nothing of the job."""
+    objects = render("k8s/trainer-v2")
+    (trainjob,) = of_kind(objects, "TrainJob")
+    (policy,) = of_kind(objects, "NetworkPolicy")
+    own_pods = {"matchLabels": {"jobset.sigs.k8s.io/jobset-name": trainjob["metadata"]["name"]}}
+    assert policy["spec"]["podSelector"] == own_pods
+    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": own_pods}]}]
