@@ -9,7 +9,7 @@ from __future__ import annotations
 
 __all__ = ["EXIT_FAILURE", "EXIT_OK", "EXIT_PEER_LOST", "EXIT_PREEMPTED", "EXIT_RENDEZVOUS", "EXIT_USAGE",
            "CheckpointError", "ConfigError", "DataError", "DeviceError", "LaunchEnvError", "PeerLost", "Preempted",
-           "RendezvousError", "TaskError", "UserError", "described", "first_line"]
+           "RendezvousError", "StorageStalled", "TaskError", "UserError", "described", "first_line"]
 
 EXIT_OK = 0
 EXIT_FAILURE = 1  # an unexpected error: a bug, a traceback is printed
