@@ -74,7 +74,9 @@ class Liveness:
         self.step = 0
         self.doing = "starting"
         self._store = store.clone()  # the main thread's own connection (the heartbeat thread has another)
-        self._store.set_timeout(timedelta(seconds=STORE_READ_TIMEOUT_S))
+        # As long as _answer waits for a read: a client timeout shorter than that made a store slowed by load
+        # (8 ranks on 2 cores) raise "timed out" after 5 s, which was taken for a collective's timeout.
+        self._store.set_timeout(timedelta(seconds=self.store_read_deadline_s))
         self._beater_store = store.clone()
         self._stop = threading.Event()
         self._count = 0
@@ -84,6 +86,10 @@ class Liveness:
         self._thread = threading.Thread(target=self._beat_until_stopped, name="heartbeat", daemon=True)
         self._thread.start()
         self._watchdog: threading.Thread | None = None
+
+    @property
+    def store_read_deadline_s(self) -> float:
+        return max(self.silent_after_s, STORE_READ_TIMEOUT_S)
 
     def close(self) -> None:
         self._stop.set()
@@ -158,7 +164,7 @@ class Liveness:
         reader.start()
         # As long as a silent peer is given, and never less than a few seconds: 8 ranks on 2 cores can keep
         # rank 0's store from answering for seconds (a false "stopped" there failed whole jobs).
-        deadline_s = max(self.silent_after_s, STORE_READ_TIMEOUT_S)
+        deadline_s = self.store_read_deadline_s
         reader.join(deadline_s)
         if not outcome:
             raise StoreSilent(f"rank 0, which hosts the job's store, did not answer for {deadline_s:g}s: it is "
