@@ -104,14 +104,15 @@ class Liveness:
 
     def watch_progress(self, stuck_after_s: float, on_stuck: Callable[[str], None],
                        look_every_s: float = 1.0) -> None:
-        """From a thread: while training, after this rank's first micro-batch (whose compilation and first data
-        may take long), ``stuck_after_s`` without another one calls ``on_stuck`` once with what this rank was
-        doing and what the others are doing (``diagnose``). ``on_stuck`` ends the process."""
+        """From a thread: while training, after this rank's first micro-batch (whose compilation, forward and
+        backward, and first data may take long), ``stuck_after_s`` without passing another point of the loop
+        calls ``on_stuck`` once with what this rank was doing and what the others are doing (``others``).
+        ``on_stuck`` ends the process."""
         def watch() -> None:
             seen, since = self.progress, time.monotonic()
             while not self._stop.wait(look_every_s):
                 now = time.monotonic()
-                if self.progress != seen or self.doing != "training" or self.progress == 0:
+                if self.progress != seen or self.doing != "training" or self.progress < 2:
                     seen, since = self.progress, now
                     continue
                 if now - since > stuck_after_s:
