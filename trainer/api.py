@@ -18,7 +18,6 @@ import logging
 import os
 import re
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -129,9 +128,7 @@ def _exit_stuck(runtime: Runtime, diagnosis: str, checkpoints: CheckpointManager
     thread cannot be unwound: it waits in the device or in a collective that never ends)."""
     print(f"[rank {runtime.identity.rank}] error: {redact(diagnosis + _timeout_advice(runtime))}; exiting with "
           f"{EXIT_PEER_LOST} so the launcher restarts the job from its last checkpoint", file=sys.stderr, flush=True)
-    releaser = threading.Thread(target=checkpoints.release_lease, name="lease-release", daemon=True)
-    releaser.start()
-    releaser.join(FORCED_EXIT_CLEANUP_S)
+    checkpoints.release_lease_within(FORCED_EXIT_CLEANUP_S)
     os._exit(EXIT_PEER_LOST)
 
 

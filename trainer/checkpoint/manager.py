@@ -254,45 +254,27 @@ class CheckpointManager:
             state.rng, state.versions = rng_by_rank or [], library_versions()
             raw, described = state.to_dict(), state.manifest(metrics)
             name = checkpoint_name(state.position.step)
+            later: list[tuple[torch.Tensor, torch.Tensor]] = []
             if self.config.async_checkpoint:
-                later: list[tuple[torch.Tensor, torch.Tensor]] = []
-                snapshot = self._snapshot(raw, "", _deferrable(unchanged_until_update), later)
-                self._copied = threading.Event()
-                # A daemon: a write stuck in a hung file system must not keep the process from exiting.
-                self._writer = threading.Thread(target=self._write_in_background,
-                                                args=(name, snapshot, described, later, self._copied),
-                                                name="checkpoint-writer", daemon=True)
-                self._writer_deadline = time.monotonic() + self.config.checkpoint_timeout_s
-                self._writer_name = name
-                self._writer.start()
-            else:
-                with self.runtime.busy(f"writing checkpoint {name}"):
-                    error, stalled = self._write_within_deadline(name, raw, described)
+                raw = self._snapshot(raw, "", _deferrable(unchanged_until_update), later)
+            # A synchronous save is written by the same thread, and waited for at once: either way a file
+            # system that never answers cannot hold the job past --checkpoint-timeout-s.
+            self._start_writer(name, raw, described, later)
+            if not self.config.async_checkpoint:
+                error, stalled = self._wait_for_writer()
         if not self.config.async_checkpoint:
             self._raise_everywhere(error, stalled)
 
-    def _write_within_deadline(self, name: str, state: dict[str, Any], manifest_extra: dict[str, Any]
-                               ) -> tuple[str | None, bool]:
-        """A synchronous save, in a thread of its own so that a file system that never answers cannot hold the
-        job for ever: (the error, whether the write stalled past --checkpoint-timeout-s)."""
-        outcome: list[str | None] = []
-
-        def write() -> None:
-            try:
-                self._write(name, state, manifest_extra)
-                outcome.append(None)
-            except CheckpointError as problem:
-                outcome.append(str(problem))
-            except Exception as problem:  # noqa: BLE001 - reported like the background writer's
-                outcome.append(f"checkpoint write failed: {problem!r}")
-
-        writer = threading.Thread(target=write, name="checkpoint-writer", daemon=True)
-        writer.start()
-        writer.join(self.config.checkpoint_timeout_s)
-        if writer.is_alive():
-            self._stalled = True
-            return self._stalled_message(name), True
-        return outcome[0], False
+    def _start_writer(self, name: str, state: dict[str, Any], manifest_extra: dict[str, Any],
+                      later: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self._copied = threading.Event()
+        # A daemon: a write stuck in a hung file system must not keep the process from exiting.
+        self._writer = threading.Thread(target=self._write_in_background,
+                                        args=(name, state, manifest_extra, later, self._copied),
+                                        name="checkpoint-writer", daemon=True)
+        self._writer_deadline = time.monotonic() + self.config.checkpoint_timeout_s
+        self._writer_name = name
+        self._writer.start()
 
     def _stalled_message(self, name: str) -> str:
         return (f"checkpoint {self.storage.describe(name)} was not written within "
@@ -319,13 +301,14 @@ class CheckpointManager:
     def close(self) -> None:
         """Release the folder's lease (on rank 0; local, no collective): the next job may start at once."""
         if self._stalled:  # the storage does not answer: neither the write nor a release would end
-            self._release_lease_within(RELEASE_AFTER_STALL_S)
+            self.release_lease_within(RELEASE_AFTER_STALL_S)
             return
         if self._writer is not None:
             self._writer.join()  # a save still being written belongs to this job's time in the folder
         self.release_lease()
 
-    def _release_lease_within(self, seconds: float) -> None:
+    def release_lease_within(self, seconds: float) -> None:
+        """Release the lease from a thread given ``seconds``: the storage may be what hangs (a forced exit)."""
         releaser = threading.Thread(target=self.release_lease, name="lease-release", daemon=True)
         releaser.start()
         releaser.join(seconds)
@@ -369,12 +352,12 @@ class CheckpointManager:
         except CheckpointError as problem:
             self._writer_error = str(problem)
         except Exception as problem:  # noqa: BLE001 - reported to every rank by the next save or finish
-            self._writer_error = f"background checkpoint write failed: {problem!r}"
+            self._writer_error = f"checkpoint write failed: {problem!r}"
 
     def _wait_for_writer(self) -> tuple[str | None, bool]:
         """The background write's error, if any, and whether it stalled past --checkpoint-timeout-s."""
         if self._writer is not None:
-            with self.runtime.busy(f"waiting for checkpoint {self._writer_name} to be written"):
+            with self.runtime.busy(f"writing checkpoint {self._writer_name}"):
                 self._writer.join(max(0.0, self._writer_deadline - time.monotonic()))
             if self._writer.is_alive():
                 self._stalled = True
