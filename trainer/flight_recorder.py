@@ -3,8 +3,8 @@ the trainer writes them out, so that ``torchfrtrace`` can name the first collect
 
 PyTorch records for gloo and NCCL alike (``TORCH_FR_BUFFER_SIZE``; ``TORCH_NCCL_TRACE_BUFFER_SIZE`` before
 2.7). NCCL's watchdog dumps on its own timeout (``TORCH_NCCL_DUMP_ON_TIMEOUT``), which the trainer places after
-its own diagnosis (trainer.gpu); so the trainer dumps every rank's record itself when it diagnoses a timeout or
-a stuck rank, on any backend. One file per rank, ``OUTPUT_DIR/flight-recorder/rank-N``.
+its own diagnosis (trainer.distributed.nccl_timeout_s); so the trainer dumps every rank's record itself when
+it diagnoses a timeout or a stuck rank, on any backend. One file per rank, ``OUTPUT_DIR/flight-recorder/rank-N``.
 """
 
 from __future__ import annotations

@@ -28,6 +28,8 @@ NCCL_DEFAULTS = {
     # NCCL's watchdog also dumps the flight recorder (trainer.flight_recorder) when it fires.
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
 }
+
+
 @dataclass(frozen=True)
 class DeviceTuning:
     """Per-run choices that only matter on CUDA."""

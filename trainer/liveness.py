@@ -13,7 +13,8 @@ whether it is stalled (silent) or alive but elsewhere (another step, other work)
 A rank whose main thread is stuck where no collective of ours times out (a device synchronisation behind an
 NCCL kernel that never ends, a deadlock in a user's code) is found by ``watch_progress``: during training,
 a micro-batch that does not end within the stuck-after time ends the process with the diagnosis, before
-NCCL's own watchdog would abort it without one (trainer.gpu gives NCCL's timeout a margin beyond this).
+NCCL's own watchdog would abort it without one (trainer.distributed.nccl_timeout_s gives NCCL's timeout a
+margin beyond this).
 """
 
 from __future__ import annotations
@@ -39,10 +40,10 @@ HEARTBEAT_KEY = "ddp-deploy/heartbeat/"
 DONE_KEY = "ddp-deploy/done/"
 # A diagnosis after a timeout watches the heartbeats this long: several beats, so a silent rank is stalled.
 DIAGNOSIS_WATCH_S = 3.0
-STORE_READ_TIMEOUT_S = 5.0
+STORE_READ_TIMEOUT_S = 5.0  # the least time a store read is given (more where --collective-timeout-s is more)
 # The progress watchdog gives a stuck micro-batch --collective-timeout-s and this long: a collective that
 # times out on its own (gloo) is diagnosed first, in the main thread.
-PROGRESS_GRACE_S = 10.0  # the least time a store read is given (more where --collective-timeout-s is more)
+PROGRESS_GRACE_S = 10.0
 T = TypeVar("T")
 
 

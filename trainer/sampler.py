@@ -56,7 +56,7 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def _refresh_sizes(self) -> None:
         shares = self.batch_shares()
-        self.num_samples = sum(max(mine, 1) if mine < self.batch_size else mine for mine, _ in shares)
+        self.num_samples = sum(max(mine, 1) for mine, _ in shares)  # a share of 0 steps on one placeholder
         self.total_size = len(self.dataset) - self.start_sample
 
     def batch_shares(self) -> list[tuple[int, int]]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.support.checkpoint_files import break_checkpoint, checkpoint_bytes
-from tests.support.checkpoints import assert_same_tensors, newest_checkpoint, summary
+from tests.support.checkpoints import assert_same_tensors, every_file_under, newest_checkpoint, summary
 from tests.support.mounts import mount_tmpfs
 from tests.support.procs import run
 from trainer.checkpoint import TrainingState, open_storage, verify
@@ -236,10 +236,6 @@ def test_a_checkpoint_of_the_previous_format_migrates_its_tensors_exactly_and_re
     assert old_state["task"]["options"]["model"] == "convnet"  # migrated from the old config's model section
     assert_same_tensors(old_state["model"], new_state["model"])
     assert_same_tensors(old_state["optimizer"], new_state["optimizer"])
-
-
-def every_file_under(*folders: Path) -> dict[str, bytes]:
-    return {str(path): path.read_bytes() for folder in folders for path in folder.rglob("*") if path.is_file()}
 
 
 @pytest.mark.parametrize("location", [

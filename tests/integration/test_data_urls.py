@@ -8,10 +8,10 @@ import functools
 import http.server
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
+from tests.support.checkpoints import every_file_under
 from tests.support.data_files import write_idx_dataset
 from tests.support.procs import env_ranks, free_port
 from trainer.errors import EXIT_USAGE
@@ -52,10 +52,6 @@ def serve() -> Iterator[object]:
     for server in servers:
         server.shutdown()
         server.server_close()
-
-
-def every_file_under(*folders: Path) -> dict[str, bytes]:
-    return {str(path): path.read_bytes() for folder in folders for path in folder.rglob("*") if path.is_file()}
 
 
 def test_a_password_in_the_data_url_is_used_but_never_written(serve, tmp_path):

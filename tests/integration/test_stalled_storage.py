@@ -12,6 +12,7 @@ import s3fs
 
 from tests.support.procs import env_ranks
 from trainer.checkpoint import open_storage, verify
+from trainer.checkpoint.manager import InvalidCheckpoint, UnknownFormat
 from trainer.errors import EXIT_PEER_LOST
 
 TIMEOUT_S = 4
@@ -76,5 +77,5 @@ def _valid(storage, name: str) -> bool:  # noqa: ANN001 - a CheckpointStorage
     try:
         verify(storage, name)
         return True
-    except Exception:  # noqa: BLE001 - any reason a checkpoint is unusable
+    except (InvalidCheckpoint, UnknownFormat):
         return False

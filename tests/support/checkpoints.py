@@ -49,6 +49,11 @@ def assert_same_tensors(left: Any, right: Any, path: str = "") -> None:
         assert left == right, f"{path}: {left!r} != {right!r}"
 
 
+def every_file_under(*folders: Path) -> dict[str, bytes]:
+    """Every file a run left under the folders, path to content (to look for what must not be written)."""
+    return {str(path): path.read_bytes() for folder in folders for path in folder.rglob("*") if path.is_file()}
+
+
 def summary(output_dir: Path) -> dict[str, Any]:
     return json.loads((output_dir / "summary.json").read_text())
 

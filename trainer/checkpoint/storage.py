@@ -511,9 +511,10 @@ class FsspecStorage(CheckpointStorage):
         not have it, are refused with one line: checked by release where that is known, then by trying it."""
         package = type(self.fs).__module__.split(".", 1)[0]
         minimum = EXCLUSIVE_CREATE_SINCE.get(package)
-        if minimum is not None and _release(metadata.version(package)) < _release(minimum):
+        installed = metadata.version(package) if minimum is not None else ""
+        if minimum is not None and _release(installed) < _release(minimum):
             raise CheckpointError(
-                f"--checkpoint-dir {self.location}: {package} {metadata.version(package)} cannot create a file only "
+                f"--checkpoint-dir {self.location}: {package} {installed} cannot create a file only "
                 f"if it does not exist, which the checkpoint folder's lease needs (so that two jobs never share a "
                 f"folder); install {package}>={minimum}")
         folder = f"{TEMP_PREFIX}exclusive-{uuid.uuid4().hex[:8]}"
