@@ -25,7 +25,7 @@ from bench.harness.launch import TRAINER_QUIET, first_step_time, read_metrics, r
 from bench.harness.launch import run as run_command
 from bench.harness.measure import interleave, load_average, median, paired_ratio
 from bench.harness.results import FigureResult, Row
-from tests.support.procs import BIN_DIR, REPO_ROOT, clean_env, torchrun_command
+from devtools.processes import BIN_DIR, REPO_ROOT, clean_env, torchrun_command
 
 TITLE = "Launch latency (2 ranks, to the first step)"
 TRAINER_ARGS = ("--dataset", "synthetic", "--synthetic-train-size", "1024", "--synthetic-test-size", "256",

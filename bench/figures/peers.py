@@ -16,7 +16,7 @@ from bench.harness.context import Context
 from bench.harness.launch import fashion_mnist_convnet_args, run_trainer, steady_windows
 from bench.harness.measure import interleave, load_average, median, paired_ratio
 from bench.harness.results import FigureResult, Goal, Row
-from tests.support.procs import torchrun_command
+from devtools.processes import torchrun_command
 
 TITLE = "Against the peers (2 ranks)"
 GOAL = Goal(">=", 1.0)

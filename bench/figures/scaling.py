@@ -25,7 +25,7 @@ from bench.harness.launch import fashion_mnist_convnet_args, run_trainer, steady
 from bench.harness.measure import interleave, load_average, median, paired_ratio
 from bench.harness.phases import Phase, PhaseTimes, Plan, measure
 from bench.harness.results import FigureResult, Goal, Row
-from tests.support.procs import torchrun_command
+from devtools.processes import torchrun_command
 
 GOAL = Goal(">=", 0.90)
 TITLE = "Scaling efficiency on CPU"

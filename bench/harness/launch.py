@@ -1,4 +1,4 @@
-"""Starting the trainer and the suite's own workers as processes (through tests/support/procs.py, which the
+"""Starting the trainer and the suite's own workers as processes (through devtools/processes.py, which the
 tests use too), and reading what they wrote."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness.measure import median
-from tests.support.procs import REPO_ROOT, clean_env, torchrun_command
+from devtools.processes import REPO_ROOT, clean_env, torchrun_command
 
 # Every trainer run of the suite: no terminal output, no TensorBoard writer, a fresh start, and one
 # thread per rank, the setting all figures compare at (two ranks on two cores).

@@ -25,9 +25,9 @@ from typing import Any
 
 import pytest
 
-from tests.support.checkpoints import newest_checkpoint, summary
+from devtools.processes import REPO_ROOT, free_port
+from tests.support.checkpoint_reading import newest_checkpoint, summary
 from tests.support.preconditions import unavailable
-from tests.support.procs import REPO_ROOT, free_port
 
 pytestmark = pytest.mark.slow
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 
+from devtools.processes import REPO_ROOT
 from tests.support.k8s_manifests import K8S_DIR, PLAIN_DIR, SOURCES, Obj, config_maps, images, of_kind, render
 from tests.support.k8s_operator import CONTAINER, PodPlan, admission_errors, pod_plans
 from tests.support.kubeflow_api import CHECKS, api_errors
-from tests.support.procs import REPO_ROOT
 from trainer.cli import parse_config
 from trainer.config import Config
 

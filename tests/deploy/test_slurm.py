@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from tests.support.checkpoints import assert_same_tensors, newest_checkpoint, summary
+from devtools.processes import REPO_ROOT
+from tests.support.checkpoint_reading import assert_same_tensors, newest_checkpoint, summary
 from tests.support.preconditions import unavailable
-from tests.support.procs import REPO_ROOT
 from trainer.env import without_launcher_variables
 
 pytestmark = pytest.mark.slow

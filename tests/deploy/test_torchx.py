@@ -20,8 +20,8 @@ from torchx.specs.builders import _create_args_parser
 from torchx.specs.file_linter import get_fn_docstring, validate
 from torchx.specs.finder import get_component
 
-from tests.support.checkpoints import newest_checkpoint, summary
-from tests.support.procs import REPO_ROOT, clean_env, free_port, run
+from devtools.processes import REPO_ROOT, clean_env, free_port, run
+from tests.support.checkpoint_reading import newest_checkpoint, summary
 from torchx_components.train import ddp
 
 COMPONENT = "torchx_components/train.py:ddp"

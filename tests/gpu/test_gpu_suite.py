@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from devtools.processes import run, torchrun
 from tests.gpu.conftest import not_run
-from tests.support.checkpoints import newest_checkpoint, summary
-from tests.support.procs import run, torchrun
+from tests.support.checkpoint_reading import newest_checkpoint, summary
 from trainer.config import DistConfig
 from trainer.distributed import choose_backend, choose_device
 from trainer.env import identity_from_env

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.support.procs import REPO_ROOT, clean_env
+from devtools.processes import REPO_ROOT, clean_env
 from trainer.checkpoint import open_storage, verify
 
 STATE_MB = 32  # large enough that a save takes a good fraction of a second, so kills land inside it

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.checkpoint_files import break_checkpoint, checkpoint_bytes
-from tests.support.checkpoints import assert_same_tensors, every_file_under, newest_checkpoint, summary
+from devtools.processes import run
+from tests.support.checkpoint_damage import break_checkpoint, checkpoint_bytes
+from tests.support.checkpoint_reading import assert_same_tensors, every_file_under, newest_checkpoint, summary
 from tests.support.mounts import mount_tmpfs
-from tests.support.procs import run
 from trainer.checkpoint import TrainingState, open_storage, verify
 from trainer.checkpoint.manager import save_state
 from trainer.errors import EXIT_USAGE

@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from devtools.processes import REPO_ROOT, clean_env, free_port, torchrun
 from tests.support.data_files import write_idx_dataset
-from tests.support.procs import REPO_ROOT, clean_env, free_port, torchrun
 from trainer.data.locate import cache_folder
 from trainer.errors import EXIT_USAGE
 

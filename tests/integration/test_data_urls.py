@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support.checkpoints import every_file_under
+from devtools.processes import env_ranks, free_port
+from tests.support.checkpoint_reading import every_file_under
 from tests.support.data_files import write_idx_dataset
-from tests.support.procs import env_ranks, free_port
 from trainer.errors import EXIT_USAGE
 
 SECRET = "S3cretPassw0rd"

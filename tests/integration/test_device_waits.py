@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import re
 
-from tests.support.procs import env_ranks, torchrun
+from devtools.processes import env_ranks, torchrun
 
 LOG_EVERY = 4
 STEPS = 16  # 2 ranks x 8 samples a step, 256 samples: one epoch

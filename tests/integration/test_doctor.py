@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.procs import env_ranks, free_port, run, torchrun
+from devtools.processes import env_ranks, free_port, run, torchrun
 
 QUICK = ["--sizes-mb", "0.01,0.1", "--iterations", "2", "--collective-timeout-s", "30"]
 OPS = ("send_recv", "broadcast", "reduce", "all_reduce_sum", "all_reduce_product", "all_reduce_max",

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from devtools.processes import REPO_ROOT, clean_env, kill_session
 from tests.support.data_files import write_idx_dataset
-from tests.support.procs import REPO_ROOT, clean_env, kill_session
 from trainer.data.catalog import SPECS
 from trainer.data.locate import holds_dataset, local_filesystem
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.checkpoints import newest_checkpoint
-from tests.support.procs import run, torchrun
+from devtools.processes import run, torchrun
+from tests.support.checkpoint_reading import newest_checkpoint
 from trainer.models import build_model
 
 # LeNet has no BatchNorm, so the loss of a global batch does not depend on how it is split.

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from tests.support.checkpoints import summary
+from devtools.processes import torchrun
+from tests.support.checkpoint_reading import summary
 from tests.support.data_files import write_image_folder
-from tests.support.procs import torchrun
 
 
 def test_an_image_folder_trains_a_torchvision_model_on_two_ranks_with_workers_by_default(tmp_path):

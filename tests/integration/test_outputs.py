@@ -3,8 +3,8 @@ with two real ranks: one line that says what to do, exit 2 on every rank, the ch
 
 from __future__ import annotations
 
+from devtools.processes import env_ranks
 from tests.support.mounts import mount_tmpfs
-from tests.support.procs import env_ranks
 from trainer.checkpoint import open_storage, verify
 from trainer.errors import EXIT_USAGE
 

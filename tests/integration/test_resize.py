@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.checkpoints import newest_checkpoint, summary
-from tests.support.procs import run, torchrun
+from devtools.processes import run, torchrun
+from tests.support.checkpoint_reading import newest_checkpoint, summary
 from tests.support.sample_logs import global_order
 from trainer.sampler import ResumableDistributedSampler
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.checkpoints import assert_same_tensors, newest_checkpoint, summary, wait_for_checkpoint
-from tests.support.procs import REPO_ROOT, TORCHRUN, clean_env, free_port, torchrun
+from devtools.processes import REPO_ROOT, TORCHRUN, clean_env, free_port, torchrun
+from tests.support.checkpoint_reading import assert_same_tensors, newest_checkpoint, summary, wait_for_checkpoint
 from trainer.errors import EXIT_PREEMPTED
 
 # 2 ranks x 16 samples: 10 steps per epoch, 20 in all; checkpoints every 3 steps land mid-epoch.

@@ -9,8 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from tests.support.checkpoints import wait_for_checkpoint
-from tests.support.procs import REPO_ROOT, clean_env, kill_session, run
+from devtools.processes import REPO_ROOT, clean_env, kill_session, run
+from tests.support.checkpoint_reading import wait_for_checkpoint
 from trainer.errors import EXIT_USAGE
 
 EXPIRY_S = 10  # long enough for a refused start (2-3 s) after the kill, short to wait for

@@ -10,7 +10,7 @@ import time
 
 import s3fs
 
-from tests.support.procs import env_ranks
+from devtools.processes import env_ranks
 from trainer.checkpoint import open_storage, verify
 from trainer.checkpoint.manager import InvalidCheckpoint, UnknownFormat
 from trainer.errors import EXIT_PEER_LOST

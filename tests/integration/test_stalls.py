@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from tests.support.procs import REPO_ROOT, clean_env, env_ranks, free_port, kill_session, run, torchrun_command
+from devtools.processes import REPO_ROOT, clean_env, env_ranks, free_port, kill_session, run, torchrun_command
 from trainer.checkpoint import open_storage, verify
 from trainer.errors import EXIT_PEER_LOST, EXIT_PREEMPTED
 

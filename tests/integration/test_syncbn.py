@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tests.support.procs import env_ranks
+from devtools.processes import env_ranks
 from tests.support.tensors import close
 from tests.workers.syncbn_worker import (
     LAYER_CASES,

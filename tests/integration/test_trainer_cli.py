@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.checkpoints import newest_checkpoint, summary, wait_for_checkpoint
+from devtools.processes import BIN_DIR, REPO_ROOT, clean_env, env_ranks, free_port, kill_session, run, torchrun
+from tests.support.checkpoint_reading import newest_checkpoint, summary, wait_for_checkpoint
 from tests.support.preconditions import unavailable
-from tests.support.procs import BIN_DIR, REPO_ROOT, clean_env, env_ranks, free_port, kill_session, run, torchrun
 from trainer.errors import EXIT_PEER_LOST, EXIT_RENDEZVOUS, EXIT_USAGE
 
 TINY = ["--dataset", "synthetic", "--synthetic-train-size", "192", "--synthetic-test-size", "67", "--batch-size",

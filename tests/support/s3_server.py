@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.support.procs import BIN_DIR, REPO_ROOT, clean_env, free_port, kill_session
+from devtools.processes import BIN_DIR, REPO_ROOT, clean_env, free_port, kill_session
 
 
 @dataclass

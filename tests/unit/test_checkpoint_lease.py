@@ -11,7 +11,7 @@ import fsspec
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
-from tests.support.checkpoints import state_at
+from tests.support.checkpoint_reading import state_at
 from trainer.checkpoint import CheckpointManager, Monitor, open_storage, storage
 from trainer.checkpoint.lease import LEASE_FOLDER, CheckpointLease, Holder
 from trainer.config import CheckpointConfig, DistConfig

@@ -14,8 +14,8 @@ import fsspec
 import pytest
 import torch
 
-from tests.support.checkpoint_files import break_checkpoint, checkpoint_bytes
-from tests.support.checkpoints import state_at
+from tests.support.checkpoint_damage import break_checkpoint, checkpoint_bytes
+from tests.support.checkpoint_reading import state_at
 from trainer.checkpoint import CheckpointManager, Monitor, open_storage, verify
 from trainer.checkpoint.manager import RELEASE_AFTER_STALL_S, InvalidCheckpoint
 from trainer.checkpoint.storage import LocalStorage

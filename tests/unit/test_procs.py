@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.support.procs import run
+from devtools.processes import run
 
 
 def test_a_command_that_times_out_is_killed_with_the_processes_it_started(tmp_path):

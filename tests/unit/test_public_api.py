@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import trainer
-from tests.support.procs import REPO_ROOT
+from devtools.processes import REPO_ROOT
 
 OUTSIDE = ("bench", "scripts", "torchx_components", "examples")
 

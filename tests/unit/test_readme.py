@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 
-from tests.support.procs import REPO_ROOT
+from devtools.processes import REPO_ROOT
 
 README = (REPO_ROOT / "README.md").read_text()
 

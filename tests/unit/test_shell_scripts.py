@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.procs import REPO_ROOT
+from devtools.processes import REPO_ROOT
 
 SCRIPTS = sorted([*REPO_ROOT.glob("scripts/*.sh"), *REPO_ROOT.glob(".ci/*.sh"), REPO_ROOT / ".ci" / "run",
                   *REPO_ROOT.glob("slurm/*.sbatch")])

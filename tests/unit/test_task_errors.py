@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.checkpoint_files import checkpoint_bytes
+from tests.support.checkpoint_damage import checkpoint_bytes
 from trainer.api import run
 from trainer.errors import EXIT_USAGE
 

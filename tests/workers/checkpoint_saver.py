@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from tests.support.checkpoints import state_at
+from tests.support.checkpoint_reading import state_at
 from trainer.checkpoint import CheckpointManager
 from trainer.config import CheckpointConfig, DistConfig
 from trainer.distributed import process_group

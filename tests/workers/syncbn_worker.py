@@ -1,6 +1,6 @@
 """One rank of the SyncBatchNorm tests: trains on its slice of a global batch and saves what it saw.
 
-Started once per rank by tests/integration/test_syncbn.py through tests/support/procs.env_ranks:
+Started once per rank by tests/integration/test_syncbn.py through devtools/processes.env_ranks:
 
     python -m tests.workers.syncbn_worker layers --sizes 5,1,3 --out DIR
     python -m tests.workers.syncbn_worker ddp --per-rank 4 --out DIR

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from trainer.env import without_launcher_variables
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN_DIR = Path(sys.executable).parent  # torchrun, torchx, ddp-train and kubectl of the same venv
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 

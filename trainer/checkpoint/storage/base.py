@@ -1,0 +1,192 @@
+"""The seam between the checkpoint logic and a file system: how a checkpoint folder is written so that a
+crash never leaves one that looks complete, and what every backend provides.
+
+A checkpoint is a folder ``step-00000123`` holding ``state.pt`` and ``manifest.json``. It is
+written under a temporary name, every file streamed through a checksum and fsynced, the manifest
+(with sizes and checksums) last, then renamed into place. Readers ignore temporaries and anything
+without a valid manifest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import IO, Any
+
+from trainer.checkpoint.storage.checksum import ChecksumWriter
+from trainer.errors import CheckpointError
+
+CHECKPOINT_NAME = re.compile(r"^step-(\d{8,})$")
+TEMP_PREFIX = ".tmp-"
+REPLACED_PREFIX = f"{TEMP_PREFIX}replaced-"
+MANIFEST = "manifest.json"
+
+
+FileWriter = Callable[[IO[bytes]], None]  # writes one file's content into an open binary handle
+ManifestMaker = Callable[[dict[str, dict[str, Any]]], bytes]  # {filename: {"bytes", "crc32"}} -> manifest
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def step_of(name: str) -> int | None:
+    match = CHECKPOINT_NAME.match(name)
+    return int(match.group(1)) if match else None
+
+
+
+class NotAFile(ValueError):
+    """A checkpoint's file that is a link, a FIFO or a device: never read (it could block, or lead elsewhere)."""
+
+
+def _no_follow(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
+
+
+class CheckpointStorage(ABC):
+    """The seam between the checkpoint logic and a file system."""
+
+    def __init__(self, location: str) -> None:
+        self.location = location
+
+    @classmethod
+    @abstractmethod
+    def handles(cls, location: str) -> bool:
+        """Whether this backend serves ``location`` (trainer.checkpoint.storage.BACKENDS asks in order)."""
+
+    def describe(self, name: str = "") -> str:
+        return f"{self.location.rstrip('/')}/{name}" if name else self.location
+
+    def reason(self, error: OSError) -> str:
+        """An OSError's words for a message. A file system's own paths may hold what the location's URL
+        carried (a memory:// or local path with "user:password@" in it): they are shown as the location,
+        which every message redacts."""
+        return str(error.strerror or error)
+
+    def list_checkpoints(self) -> list[str]:
+        """Checkpoint folder names, newest step first (validity is the manager's business)."""
+        names = [name for name in self._list() if step_of(name) is not None]
+        return sorted(names, key=lambda name: step_of(name) or 0, reverse=True)
+
+    def write(self, name: str, files: dict[str, FileWriter], make_manifest: ManifestMaker) -> None:
+        """Stream the files, then the manifest describing them, then make the folder appear under ``name``."""
+        temporary = f"{TEMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
+        try:
+            self._make_folder(temporary)
+            described: dict[str, dict[str, Any]] = {}
+            for filename, write_content in files.items():
+                with self._create(temporary, filename) as handle, ChecksumWriter(handle) as checksummed:
+                    try:
+                        write_content(checksummed)  # type: ignore[arg-type] - a write/flush file object
+                    except Exception:
+                        if checksummed.error is not None:
+                            raise checksummed.error from None  # the cause a person can act on
+                        raise
+                described[filename] = checksummed.summary()
+            with self._create(temporary, MANIFEST) as handle:
+                handle.write(make_manifest(described))
+            self._commit(temporary, name)
+        except OSError as error:
+            self._remove_quietly(temporary)
+            raise CheckpointError(
+                f"could not write checkpoint {self.describe(name)}: {self.reason(error)}. The previous "
+                f"checkpoints are untouched; {_remedy(error, self.location)}"
+            ) from None
+
+    def remove_temporaries(self) -> list[str]:
+        """Delete folders left by saves that crashed; they never held a usable checkpoint, except a
+        checkpoint moved aside to be replaced when the crash came before its replacement was in place."""
+        stale = [name for name in self._list() if name.startswith(TEMP_PREFIX)]
+        present = set(self._list())
+        for name in stale:
+            original = _replaced_name(name)
+            if original is not None and (original not in present or not self.exists(original, MANIFEST)):
+                self._put_back(name, original)
+                present.add(original)
+            else:
+                self._remove_quietly(name)
+        return stale
+
+    def _put_back(self, aside: str, original: str) -> None:
+        """Return a checkpoint moved aside for a replacement that did not complete."""
+        if self.has_folder(original):  # never a checkpoint (no manifest): a rename cannot replace a folder
+            self._remove_quietly(original)
+        self._rename(aside, original)
+
+    def _remove_quietly(self, name: str) -> None:
+        with contextlib.suppress(OSError):
+            self.remove(name)
+
+    @abstractmethod
+    def _list(self) -> list[str]: ...
+
+    @abstractmethod
+    def _make_folder(self, name: str) -> None: ...
+
+    @abstractmethod
+    def _create(self, name: str, filename: str) -> contextlib.AbstractContextManager[IO[bytes]]:
+        """A new file, durable once the context exits without error."""
+
+    @abstractmethod
+    def _commit(self, temporary: str, name: str) -> None: ...
+
+    @abstractmethod
+    def _rename(self, name: str, new_name: str) -> None: ...
+
+    @abstractmethod
+    def read(self, name: str, filename: str) -> bytes: ...
+
+    @abstractmethod
+    def size(self, name: str, filename: str) -> int:
+        """The file's size in bytes, known before reading it; NotAFile if it is no plain file."""
+
+    @abstractmethod
+    def exists(self, name: str, filename: str) -> bool: ...
+
+    @abstractmethod
+    def has_folder(self, name: str) -> bool: ...
+
+    @abstractmethod
+    def remove(self, name: str) -> None: ...
+
+    @abstractmethod
+    def check_writable(self) -> None:
+        """Raise CheckpointError now, at start, rather than after an epoch of training."""
+
+    # -- small files of the folder's own (trainer.checkpoint.lease) -----------------------------------------
+    @abstractmethod
+    def create_exclusive(self, name: str, filename: str, data: bytes) -> bool:
+        """Create the file with this content only if it does not exist, atomically; False if it did."""
+
+    @abstractmethod
+    def replace_file(self, name: str, filename: str, data: bytes) -> None:
+        """Write the file whole (readers see the old content or the new one, never a part)."""
+
+    @abstractmethod
+    def files(self, name: str) -> list[str]:
+        """The names in folder ``name``, temporaries left out (none if it does not exist)."""
+
+    @abstractmethod
+    def remove_file(self, name: str, filename: str) -> None: ...
+
+
+
+def _replaced_name(name: str) -> str | None:
+    """``step-N`` for a ``.tmp-replaced-step-N-<id>`` folder, else None."""
+    if not name.startswith(REPLACED_PREFIX):
+        return None
+    original = name.removeprefix(REPLACED_PREFIX).rsplit("-", 1)[0]
+    return original if step_of(original) is not None else None
+
+
+def _remedy(error: OSError, location: str) -> str:
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"free space on {location}, lower --keep-last, or choose another --checkpoint-dir"
+    return f"fix permissions on {location} or choose another --checkpoint-dir"
+
