@@ -16,7 +16,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from trainer.env import without_launcher_variables
+from trainer.launchers import without_launcher_variables
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN_DIR = Path(sys.executable).parent  # torchrun, torchx, ddp-train and kubectl of the same venv

@@ -18,7 +18,7 @@ PUBLIC_MODULES = (
     "trainer.registry",
     "trainer.config",
     "trainer.errors",
-    "trainer.env",
+    "trainer.launchers",
     "trainer.distributed",
     "trainer.models",
     "trainer.data",

@@ -38,7 +38,6 @@ from trainer.distributed import (
     process_group,
     threads_per_rank,
 )
-from trainer.env import identity_from_env
 from trainer.errors import (
     EXIT_OK,
     EXIT_PEER_LOST,
@@ -52,6 +51,7 @@ from trainer.errors import (
 )
 from trainer.flight_recorder import apply_recorder_environment, dump_flight_recorder, reading_advice
 from trainer.gpu import apply_nccl_environment, checkpoint_layout, nccl_timeout_advice
+from trainer.launchers import identity_from_env
 from trainer.liveness import PROGRESS_GRACE_S
 from trainer.loop import Trainer
 from trainer.preemption import FORCED_EXIT_CLEANUP_S, PreemptionWatcher

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, NoReturn, TypeVar
 import torch
 import torch.distributed as dist
 
-from trainer.env import DistIdentity
 from trainer.errors import DeviceError, RendezvousError, UserError, first_line
+from trainer.launchers import DistIdentity
 from trainer.liveness import PROGRESS_GRACE_S, Liveness
 
 if TYPE_CHECKING:  # the config's choices come from registries whose modules import this one
@@ -62,7 +62,7 @@ def choose_device(config: DistConfig, identity: DistIdentity, cuda_count: int | 
         return torch.device("cpu")
     if available == 0:
         raise DeviceError("--device cuda but this machine has no CUDA device; use --device cpu or auto")
-    if identity.launcher == "slurm" and available == 1 < identity.local_world_size:
+    if identity.may_hide_other_gpus and available == 1 < identity.local_world_size:
         # srun --gpus-per-task=1 (or --gpu-bind) shows each task its own GPU only, as device 0.
         return torch.device("cuda", 0)
     if identity.local_rank >= available:

@@ -30,8 +30,8 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from trainer.env import DistIdentity
 from trainer.errors import PeerLost
+from trainer.launchers import DistIdentity
 
 __all__ = ["Liveness"]
 

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from trainer.env import DistIdentity
 from trainer.errors import OutputError
+from trainer.launchers import DistIdentity
 from trainer.redact import redact
 
 

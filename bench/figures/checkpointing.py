@@ -43,7 +43,7 @@ from trainer.checkpoint import (
 )
 from trainer.config import CheckpointConfig, DistConfig
 from trainer.distributed import Runtime, process_group
-from trainer.env import identity_from_env
+from trainer.launchers import identity_from_env
 from trainer.models import build_model
 
 TITLE = "Checkpointing"

@@ -6,7 +6,7 @@ import torch
 
 from trainer.data import ImageTensorDataset, load_datasets
 from trainer.distributed import Runtime
-from trainer.env import identity_from_env
+from trainer.launchers import identity_from_env
 from trainer.tasks import ClassificationOptions
 
 

@@ -31,8 +31,8 @@ from torch.nn.parallel import DistributedDataParallel
 from bench.harness.phases import Phase, Plan
 from trainer.config import DistConfig
 from trainer.distributed import Runtime, StopVote, process_group
-from trainer.env import identity_from_env
 from trainer.gradsync import GradSync, build_grad_sync
+from trainer.launchers import identity_from_env
 from trainer.models import ConvNet
 from trainer.syncbn import convert_sync_batchnorm
 

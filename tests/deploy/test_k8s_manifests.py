@@ -228,7 +228,7 @@ def test_elastic_job_joins_a_c10d_rendezvous_that_closes_when_all_workers_are_in
     job = job_of("k8s/overlays/elastic")
     spec = job["spec"]
     elastic, workers = spec["elasticPolicy"], spec["pytorchReplicaSpecs"]["Worker"]["replicas"]
-    # torchrun's run id, the job's name for its checkpoint folder's lease in every round (trainer.env.job_name).
+    # torchrun's run id, the job's name for its checkpoint folder's lease in every round (trainer.launchers.job_name).
     assert elastic["rdzvId"] == job["metadata"]["name"]
     assert "Master" not in spec["pytorchReplicaSpecs"]
     assert elastic["rdzvBackend"] == "c10d" and elastic["maxRestarts"] >= 1

@@ -23,7 +23,7 @@ import pytest
 from devtools.processes import REPO_ROOT
 from tests.support.checkpoint_reading import assert_same_tensors, newest_checkpoint, summary
 from tests.support.preconditions import unavailable
-from trainer.env import without_launcher_variables
+from trainer.launchers import without_launcher_variables
 
 pytestmark = pytest.mark.slow
 

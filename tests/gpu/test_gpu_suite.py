@@ -17,8 +17,8 @@ from tests.gpu.conftest import not_run
 from tests.support.checkpoint_reading import newest_checkpoint, summary
 from trainer.config import DistConfig
 from trainer.distributed import choose_backend, choose_device
-from trainer.env import identity_from_env
 from trainer.errors import DeviceError
+from trainer.launchers import identity_from_env
 
 STEPS = 16  # 512 samples, batch 32, one rank: steps per epoch
 RUN = ["--dataset", "synthetic", "--synthetic-train-size", "512", "--synthetic-test-size", "128", "--batch-size",

@@ -16,8 +16,8 @@ from trainer.checkpoint import CheckpointManager, Monitor, open_storage, storage
 from trainer.checkpoint.lease import LEASE_FOLDER, CheckpointLease, Holder
 from trainer.config import CheckpointConfig, DistConfig
 from trainer.distributed import destroy_process_group, init_process_group
-from trainer.env import identity_from_env
 from trainer.errors import CheckpointError
+from trainer.launchers import identity_from_env
 
 LOG = logging.getLogger("lease-test")
 

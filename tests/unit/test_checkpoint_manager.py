@@ -21,8 +21,8 @@ from trainer.checkpoint.manager import RELEASE_AFTER_STALL_S, InvalidCheckpoint
 from trainer.checkpoint.storage import LocalStorage
 from trainer.config import CheckpointConfig, DistConfig
 from trainer.distributed import Runtime, destroy_process_group, init_process_group
-from trainer.env import identity_from_env
 from trainer.errors import EXIT_PEER_LOST, CheckpointError, StorageStalled
+from trainer.launchers import identity_from_env
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 from trainer.build import first
 from trainer.data import ImageTensorDataset, collate_batch, load_datasets
 from trainer.distributed import Runtime
-from trainer.env import identity_from_env
+from trainer.launchers import identity_from_env
 from trainer.tasks import ClassificationOptions as Options
 
 ONE_PROCESS = Runtime(identity_from_env({}), torch.device("cpu"), "gloo")

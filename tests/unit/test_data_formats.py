@@ -16,8 +16,8 @@ from trainer.data import load_datasets
 from trainer.data.cifar import _reconstruct, read_batch
 from trainer.data.idx import read_idx, read_images_and_labels, write_idx
 from trainer.distributed import Runtime
-from trainer.env import identity_from_env
 from trainer.errors import DataError
+from trainer.launchers import identity_from_env
 from trainer.tasks import ClassificationOptions as Options
 
 ONE_PROCESS = Runtime(identity_from_env({}), torch.device("cpu"), "gloo")

@@ -12,8 +12,8 @@ import torch
 from tests.support.data_files import write_image_folder
 from trainer.data import ImageFolderDataset, load_datasets
 from trainer.distributed import Runtime
-from trainer.env import identity_from_env
 from trainer.errors import DataError
+from trainer.launchers import identity_from_env
 from trainer.tasks import ClassificationOptions as Options
 
 ONE_PROCESS = Runtime(identity_from_env({}), torch.device("cpu"), "gloo")

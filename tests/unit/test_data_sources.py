@@ -18,8 +18,8 @@ from trainer.data.catalog import IDX_FILES
 from trainer.data.idx import read_idx
 from trainer.data.locate import SHIPPED_FASHION_MNIST, SYSTEM_FASHION_MNIST, cache_folder
 from trainer.distributed import Runtime
-from trainer.env import identity_from_env
 from trainer.errors import DataError
+from trainer.launchers import identity_from_env
 from trainer.tasks import ClassificationOptions as Options
 
 ONE_PROCESS = Runtime(identity_from_env({}), torch.device("cpu"), "gloo")

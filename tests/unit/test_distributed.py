@@ -10,9 +10,9 @@ from torch import nn
 
 from trainer.config import DistConfig
 from trainer.distributed import Runtime, choose_backend, choose_device, threads_per_rank, wait_for_master
-from trainer.env import identity_from_env
 from trainer.errors import ConfigError, DeviceError, RendezvousError
 from trainer.gradsync import DataParallelSync
+from trainer.launchers import identity_from_env
 
 NODE_RANK3 = identity_from_env({"RANK": "7", "LOCAL_RANK": "3", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
                                 "GROUP_RANK": "1", "MASTER_ADDR": "m", "MASTER_PORT": "1",

@@ -12,7 +12,6 @@ from torch import nn
 from trainer.build import build_training
 from trainer.cli import parse_config
 from trainer.distributed import Runtime, nccl_timeout_s
-from trainer.env import identity_from_env
 from trainer.errors import TaskError
 from trainer.flight_recorder import (
     apply_recorder_environment,
@@ -21,6 +20,7 @@ from trainer.flight_recorder import (
     recorder_environment,
 )
 from trainer.gpu import choose_tuning, nccl_environment, nccl_timeout_advice
+from trainer.launchers import identity_from_env
 from trainer.liveness import PROGRESS_GRACE_S
 
 ONE_PROCESS = Runtime(identity_from_env({}), torch.device("cpu"), "gloo")

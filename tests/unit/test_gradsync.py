@@ -12,8 +12,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainer.config import DistConfig
 from trainer.distributed import Runtime, destroy_process_group, init_process_group
-from trainer.env import identity_from_env
 from trainer.gradsync import DDPSync
+from trainer.launchers import identity_from_env
 from trainer.rng import capture_rng
 
 

@@ -10,8 +10,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from trainer.env import DistIdentity
 from trainer.errors import PeerLost
+from trainer.launchers import DistIdentity
 from trainer.liveness import Liveness
 
 pytestmark = pytest.mark.timeout(60)  # a wait that watched no heartbeat would hang: fail it quickly instead

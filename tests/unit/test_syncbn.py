@@ -10,7 +10,7 @@ from tests.support.tensors import close
 from tests.workers.syncbn_worker import global_batch, make_layer, run_layer
 from trainer.config import DistConfig
 from trainer.distributed import process_group
-from trainer.env import identity_from_env
+from trainer.launchers import identity_from_env
 from trainer.syncbn import GlooSyncBatchNorm, convert_sync_batchnorm
 
 CPU = torch.device("cpu")

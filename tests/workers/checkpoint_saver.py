@@ -17,7 +17,7 @@ from tests.support.checkpoint_reading import state_at
 from trainer.checkpoint import CheckpointManager
 from trainer.config import CheckpointConfig, DistConfig
 from trainer.distributed import process_group
-from trainer.env import identity_from_env
+from trainer.launchers import identity_from_env
 
 SAVES_AT_MOST = 200  # ends on its own if a test forgets it
 

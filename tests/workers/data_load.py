@@ -16,8 +16,8 @@ import torch
 from trainer.cli import parse_config
 from trainer.data import load_datasets
 from trainer.distributed import process_group
-from trainer.env import identity_from_env
 from trainer.errors import UserError
+from trainer.launchers import identity_from_env
 
 
 def main() -> int:

@@ -15,7 +15,7 @@ import torch
 
 from trainer.doctor.checks import CHECKS, SENT_BY_ROOT_ONLY, Probe, roots
 from trainer.doctor.cli import main
-from trainer.env import identity_from_env
+from trainer.launchers import identity_from_env
 
 
 def corrupted(op: str, values: torch.Tensor) -> torch.Tensor:

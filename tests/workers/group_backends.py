@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from trainer.config import DistConfig
 from trainer.distributed import choose_backend, destroy_process_group, init_process_group
-from trainer.env import identity_from_env
+from trainer.launchers import identity_from_env
 
 
 def main(device_name: str) -> None:

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainer.config import DistConfig
 from trainer.distributed import process_group
-from trainer.env import identity_from_env
+from trainer.launchers import identity_from_env
 from trainer.syncbn import convert_sync_batchnorm
 
 STEPS = 3

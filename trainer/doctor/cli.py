@@ -21,8 +21,8 @@ from trainer.doctor.bandwidth import Bandwidth, run_bandwidth
 from trainer.doctor.checks import Outcome, Probe, run_checks
 from trainer.doctor.nccl import nccl_facts, nccl_problems
 from trainer.doctor.report import PROG, describe_device, failure_summary, print_report, write_json
-from trainer.env import identity_from_env
 from trainer.errors import EXIT_FAILURE, EXIT_OK, ConfigError, UserError, described
+from trainer.launchers import identity_from_env
 from trainer.options import add_flags, build, check, option
 
 # A preflight should fail within a minute, not the trainer's ten.

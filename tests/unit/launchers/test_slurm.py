@@ -1,4 +1,5 @@
-"""Slurm's environment, as srun and sbatch set it (captured from the CI cluster: Slurm 22.05, two nodes)."""
+"""The Slurm dialects (tasks, torchrun under Slurm, the batch script), as srun and sbatch set them
+(captured from the CI cluster: Slurm 22.05, two nodes)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import torch
 
 from trainer.config import DistConfig
 from trainer.distributed import choose_device
-from trainer.env import identity_from_env, without_launcher_variables
 from trainer.errors import LaunchEnvError
-from trainer.hostlist import expand_counts, expand_hostlist
+from trainer.launchers import identity_from_env, without_launcher_variables
+from trainer.launchers.hostlist import expand_counts, expand_hostlist
 
 # What the batch script of `sbatch -N2 -n4` sees (the job's variables, no step).
 BATCH = {
@@ -53,15 +54,6 @@ def test_the_step_wins_over_the_job_a_requeue_is_counted_and_the_port_can_be_nam
     assert identity_from_env(env, master_port=31000).master_port == 31000
     named = identity_from_env({**env, "MASTER_ADDR": "n2-ib", "MASTER_PORT": "29500"}, master_port=31000)
     assert (named.master_addr, named.master_port) == ("n2-ib", 29500), "the environment wins over the flag"
-
-
-def test_torchrun_started_by_srun_is_the_torchrun_dialect():
-    # srun --ntasks-per-node=1 torchrun ...: the workers see torchrun's variables and the step's.
-    env = {**TASK_1, "SLURM_PROCID": "1", "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
-           "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "n1", "MASTER_PORT": "29400",
-           "TORCHELASTIC_RUN_ID": "7"}
-    identity = identity_from_env(env)
-    assert (identity.launcher, identity.rank, identity.node_rank) == ("torchrun", 3, 1)
 
 
 def test_the_batch_script_itself_is_not_rank_0_of_the_job():

@@ -1,0 +1,44 @@
+"""torchrun, and what starts it (TorchX's ``dist.ddp``, Compose's containers, a TrainJob, a PyTorchJob with
+torchrun as its command): ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
+``GROUP_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_*``."""
+
+from __future__ import annotations
+
+import os
+
+from trainer.launchers.base import LaunchEnv, Launcher, is_loopback, master_address, rank_and_world_size
+from trainer.launchers.identity import DistIdentity
+
+
+class Torchrun(Launcher):
+    name = "torchrun"
+    variables = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                 "TORCHELASTIC_USE_AGENT_STORE")
+
+    def detect(self, env: LaunchEnv) -> bool:
+        return env.launched() and (env.has("TORCHELASTIC_RUN_ID") or env.has("LOCAL_RANK", "LOCAL_WORLD_SIZE"))
+
+    def identity(self, env: LaunchEnv) -> DistIdentity:
+        rank, world_size = rank_and_world_size(env)
+        local_rank = env.number("LOCAL_RANK", "LOCAL_RANK comes from torchrun; do not set it by hand")
+        local_world_size = env.number_or("LOCAL_WORLD_SIZE", 1, "set by torchrun", minimum=1)
+        node_rank = env.number_or("GROUP_RANK", 0, "set by torchrun")
+        num_nodes = env.number_or("GROUP_WORLD_SIZE", max(1, world_size // local_world_size), "set by torchrun",
+                                  minimum=1)
+        return self.place(env, rank, local_rank, world_size, local_world_size, node_rank, num_nodes,
+                          master_address(env, world_size),
+                          restart_count=env.number_or("TORCHELASTIC_RESTART_COUNT", 0, "set by torchrun"),
+                          agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+
+    def job(self, env: LaunchEnv, master_addr: str, master_port: int) -> tuple[str, bool]:
+        run_id = env.get("TORCHELASTIC_RUN_ID")
+        if run_id not in ("", "none"):
+            # --rdzv-id names the job (--standalone makes a random one per torchrun): kept across restarts, also
+            # when a new rendezvous round moves the agent's store (MASTER_ADDR:MASTER_PORT) to another node.
+            return f"torchrun-{run_id}", True
+        if not is_loopback(master_addr):
+            return f"torchrun@{master_addr}:{master_port}", True
+        # A static rendezvous on a loopback address: its workers are the agent's children, and a restart keeps
+        # the agent, so the attempt is the agent's (unnamed: another host's agent may have the same address).
+        return f"torchrun-agent-{env.hostname}-{os.getppid()}", False
