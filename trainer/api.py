@@ -58,7 +58,7 @@ from trainer.preemption import FORCED_EXIT_CLEANUP_S, PreemptionWatcher
 from trainer.redact import redact
 from trainer.report import final_line, setup_logging, write_summary, writing
 from trainer.resume import check_resume
-from trainer.task import TaskSpec
+from trainer.task import RunTask
 
 __all__ = ["run", "train"]
 
@@ -83,7 +83,7 @@ def run(task: str | type | None = None, argv: Sequence[str] | None = None, **set
     rank = os.environ.get("RANK", "0")
     prog = Path(sys.argv[0]).name if task is not None else "ddp-train"
     try:
-        config, spec = parse_config(argv, task=task, settings=settings, prog=prog)
+        config, chosen = parse_config(argv, task=task, settings=settings, prog=prog)
         identity = identity_from_env(os.environ, master_port=config.dist.master_port, job_id=config.dist.job_id)
         rank = str(identity.rank)
         device = choose_device(config.dist, identity)
@@ -94,7 +94,7 @@ def run(task: str | type | None = None, argv: Sequence[str] | None = None, **set
             if choose_backend(config.dist, device) == "nccl":
                 apply_nccl_environment(os.environ)
         with process_group(config.dist, identity, device) as runtime:
-            train(config, spec, runtime)
+            train(config, chosen, runtime)
         return EXIT_OK
     except UserError as error:
         retry = (f"; exiting with {EXIT_PEER_LOST} so the launcher restarts the job from its last checkpoint"
@@ -139,16 +139,16 @@ def write_config(output_dir: Path, shown_config: str) -> None:
         path.write_text(shown_config)
 
 
-def _prepare_and_fit(config: Config, spec: TaskSpec, runtime: Runtime, checkpoints: CheckpointManager,
+def _prepare_and_fit(config: Config, task: RunTask, runtime: Runtime, checkpoints: CheckpointManager,
                      watcher: PreemptionWatcher, log: logging.Logger, shown_config: str
                      ) -> tuple[dict[str, float], Trainer]:
     checkpoints.prepare()
     # The checkpoint is read, and its fit to this run checked, before the data and model are built.
     loaded = checkpoints.load(config.checkpoint.resume)
     if loaded is not None:
-        for change in check_resume(loaded, config, spec):
+        for change in check_resume(loaded, config, task):
             log.info("resuming with a change: %s", change)
-    setup = build_training(config, spec, runtime,
+    setup = build_training(config, task, runtime,
                            None if loaded is None else checkpoint_layout(loaded.state.model))
     trainer = Trainer(config, runtime, setup, checkpoints, watcher, log)
     try:
@@ -162,26 +162,26 @@ def _prepare_and_fit(config: Config, spec: TaskSpec, runtime: Runtime, checkpoin
         trainer.close()
 
 
-def train(config: Config, spec: TaskSpec, runtime: Runtime) -> dict[str, object]:
+def train(config: Config, task: RunTask, runtime: Runtime) -> dict[str, object]:
     """One training run in a joined group: returns (and rank 0 writes) the summary."""
     log = setup_logging(runtime.identity)
     started = time.perf_counter()
     output_dir = Path(config.output.output_dir)
-    shown_config = redact(dump_yaml(config))  # logged now, written to config.yaml once the run goes ahead
+    shown_config = redact(dump_yaml(config, task))  # logged now, written to config.yaml once the run goes ahead
     if runtime.is_main:
         log.info("config:\n%s", shown_config.rstrip())
     log.info("%s; device %s, backend %s, %d threads; task %s", runtime.identity.describe(), runtime.device,
-             runtime.backend, torch.get_num_threads(), spec.describe())
+             runtime.backend, torch.get_num_threads(), task.describe())
 
     watcher = PreemptionWatcher(config.checkpoint.grace_period_s, runtime, log)
     watcher.install()  # before the slow parts, so an early SIGTERM is not lost
-    checkpoints = CheckpointManager(config.checkpoint, config.checkpoint_dir, runtime, log, Monitor(*spec.monitor))
+    checkpoints = CheckpointManager(config.checkpoint, config.checkpoint_location, runtime, log, Monitor(*task.monitor))
     watcher.before_forced_exit = checkpoints.release_lease
     if runtime.liveness is not None:
         runtime.liveness.watch_progress(config.dist.collective_timeout_s + PROGRESS_GRACE_S,
                                         lambda diagnosis: _exit_stuck(runtime, diagnosis, checkpoints))
     try:
-        result, trainer = _prepare_and_fit(config, spec, runtime, checkpoints, watcher, log, shown_config)
+        result, trainer = _prepare_and_fit(config, task, runtime, checkpoints, watcher, log, shown_config)
     except RuntimeError as error:
         if runtime.liveness is None or not TIMED_OUT.search(str(error)):
             raise
@@ -192,7 +192,7 @@ def train(config: Config, spec: TaskSpec, runtime: Runtime) -> dict[str, object]
         watcher.uninstall()
     wall_time_s = time.perf_counter() - started
     summary = {
-        "task": spec.name,
+        "task": task.name,
         "test_metrics": result,
         **{f"test_{name}": value for name, value in result.items()},
         "world_size": runtime.identity.world_size,

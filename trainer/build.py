@@ -14,22 +14,23 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from trainer.checkpoint.parts import PartKind, RestoreContext, StatePart, StateParts
 from trainer.config import Config
 from trainer.distributed import Runtime, agreed
 from trainer.errors import TaskError, described
 from trainer.evaluation import MetricSet
 from trainer.gpu import DeviceTuning, choose_tuning
-from trainer.gradsync import GradSync, build_grad_sync
+from trainer.gradsync import GradSync, build_grad_sync, unwrap
 from trainer.items import checked_collate
 from trainer.optimizers import build_optimizer
 from trainer.preemption import ignore_stop_signals_in_worker
-from trainer.rng import isolated, seed_everything
+from trainer.rng import RngState, capture_rng, isolated, restore_rng, seed_after_resize, seed_everything
 from trainer.sampler import EVAL_EPOCH, ResumableDistributedSampler, SeededItems, ShardSampler
 from trainer.schedule import LRSchedule
 from trainer.syncbn import convert_sync_batchnorm
-from trainer.task import TaskContext, TaskData, TaskSpec, call_task, check_metrics, to_device
+from trainer.task import RunTask, TaskContext, TaskData, call_task, check_metrics, to_device
 
-__all__ = ["evaluation_loader", "loader_workers", "training_loader"]
+__all__ = ["evaluation_loader", "loader_workers", "state_parts", "training_loader"]
 
 MAX_AUTO_WORKERS = 4
 log = logging.getLogger("trainer")
@@ -37,8 +38,8 @@ log = logging.getLogger("trainer")
 
 @dataclass
 class TrainingSetup:
-    spec: TaskSpec
-    task: Any  # the task object, built with its options
+    task: RunTask  # what this run trains: the task class and its options
+    instance: Any  # the object the task class made with those options: its datasets, model, loss, metrics
     data: TaskData
     train_sampler: ResumableDistributedSampler
     train_loader: DataLoader[Any]
@@ -51,6 +52,7 @@ class TrainingSetup:
     precision: str
     device: torch.device
     tuning: DeviceTuning  # channels-last and cuDNN's autotuner (trainer.gpu)
+    state: StateParts  # what a checkpoint saves of these; the loop adds where training stands
 
     def inputs_on_device(self, batch: Any) -> Any:
         """A batch as the model takes it: on the device (non-blocking copies), in the model's memory layout."""
@@ -61,11 +63,11 @@ class TrainingSetup:
 
     def new_metrics(self) -> dict[str, Any]:
         """A fresh set of the task's metrics (one per training window set, one for evaluation)."""
-        return check_metrics(self.spec, call_task(self.spec, "metrics()", self.task.metrics))
+        return check_metrics(self.task, call_task(self.task, "metrics()", self.instance.metrics))
 
     def metric_set(self) -> MetricSet:
         """The loss and the task's metrics, on the training device, ready to update."""
-        return MetricSet(self.new_metrics(), self.device, owner=f"task {self.spec.describe()}")
+        return MetricSet(self.new_metrics(), self.device, owner=f"task {self.task.describe()}")
 
 
 def _loader(dataset: Dataset[Any], sampler: torch.utils.data.Sampler[int], batch_size: int, num_workers: int,
@@ -121,12 +123,12 @@ def first(dataset: Dataset[Any], count: int) -> Dataset[Any]:
     return head(count) if callable(head) else Subset(dataset, range(count))
 
 
-def build_training(config: Config, spec: TaskSpec, runtime: Runtime,
+def build_training(config: Config, task: RunTask, runtime: Runtime,
                    trained_channels_last: bool | None = None) -> TrainingSetup:
     """``trained_channels_last``: the memory layout of the checkpoint this run resumes (None: a fresh start)."""
     identity, device, seed = runtime.identity, runtime.device, config.train.seed
-    task = agreed(runtime, lambda: spec.create(config.task_options), TaskError)
-    data = agreed(runtime, lambda: _task_data(spec, task, TaskContext(runtime, seed)), TaskError,
+    instance = agreed(runtime, task.create, TaskError)
+    data = agreed(runtime, lambda: _task_data(task, instance, TaskContext(runtime, seed)), TaskError,
                   long_work="the task's datasets")
     train_set = first(data.train, config.data.max_train_samples)
     eval_set = first(data.eval, config.data.max_test_samples)
@@ -135,7 +137,7 @@ def build_training(config: Config, spec: TaskSpec, runtime: Runtime,
     if identity.is_main:
         log.info("data: %d training and %d evaluation samples; %d DataLoader worker(s) per rank (--num-workers %s)",
                  len(train_set), len(eval_set), workers, config.data.num_workers)  # type: ignore[arg-type]
-    pin, where = device.type == "cuda", f"task {spec.describe()}: the"
+    pin, where = device.type == "cuda", f"task {task.describe()}: the"
     train_loader, train_sampler = training_loader(
         train_set, identity.world_size, identity.rank, config.train.batch_size, workers, seed,
         data.deterministic_items, data.collate_fn, pin, f"{where} training dataset")
@@ -146,7 +148,7 @@ def build_training(config: Config, spec: TaskSpec, runtime: Runtime,
     # The same seed on every rank gives every rank the same initial weights; then each rank's own
     # stream for anything random during training (dropout).
     seed_everything(seed)
-    model = agreed(runtime, lambda: _task_model(spec, task, data), TaskError)
+    model = agreed(runtime, lambda: _task_model(task, instance, data), TaskError)
     if config.model.sync_bn and identity.world_size > 1:
         model = convert_sync_batchnorm(model, device)
         layers = sum(isinstance(module, _BatchNorm) for module in model.modules())
@@ -164,7 +166,7 @@ def build_training(config: Config, spec: TaskSpec, runtime: Runtime,
                     "on" if tuning.channels_last else "off")
     model = tuning.apply(model)
     if tuning.channels_last:
-        tuning = agreed(runtime, lambda: _layout_that_runs(config, spec, model, tuning, train_loader, device),
+        tuning = agreed(runtime, lambda: _layout_that_runs(config, task, model, tuning, train_loader, device),
                         TaskError)
     if device.type == "cuda" and identity.is_main:
         log.info("GPU settings: %s", tuning.describe())
@@ -183,11 +185,40 @@ def build_training(config: Config, spec: TaskSpec, runtime: Runtime,
     total_samples = config.train.epochs * len(train_set)  # type: ignore[arg-type]
     schedule = LRSchedule(config.optim.schedule, base_lr, config.optim.warmup_steps * global_batch, total_samples)
     scaler = torch.amp.GradScaler(device.type, enabled=config.optim.precision == "fp16")
-    setup = TrainingSetup(spec, task, data, train_sampler, train_loader, eval_loader, wrapped, sync, optimizer,
-                          schedule, scaler, config.optim.precision, device, tuning)
+    setup = TrainingSetup(task, instance, data, train_sampler, train_loader, eval_loader, wrapped, sync, optimizer,
+                          schedule, scaler, config.optim.precision, device, tuning,
+                          state_parts(unwrap(wrapped), optimizer, scaler))
     # A metric that cannot be reduced, or a monitored one that does not exist, fails now, not at evaluation.
-    agreed(runtime, lambda: _check_monitor(spec, setup.new_metrics()), TaskError)
+    agreed(runtime, lambda: _check_monitor(task, setup.new_metrics()), TaskError)
     return setup
+
+
+def state_parts(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> StateParts:
+    """The checkpoint's parts of what is built here: the model (unwrapped from DDP and compile), the optimizer,
+    the grad scaler and the random generators."""
+    parameters = frozenset(f"/{name}" for name, _ in model.named_parameters())
+    parts = StateParts()
+    # Only the optimizer step changes the parameters (buffers such as BatchNorm's statistics change in the
+    # forward pass) and the optimizer's state: an asynchronous save copies those during the next step.
+    parts.add(StatePart("model", model.state_dict, lambda saved, _: model.load_state_dict(saved), opaque=True,
+                        changed_by_step_only=parameters.__contains__))
+    parts.add(StatePart("optimizer", optimizer.state_dict, lambda saved, _: optimizer.load_state_dict(saved),
+                        opaque=True, changed_by_step_only=lambda path: path.startswith("/state/")))
+    parts.add(StatePart("grad_scaler", scaler.state_dict, lambda saved, _: scaler.load_state_dict(saved),
+                        opaque=True))
+    parts.add(rng_part())
+    return parts
+
+
+def rng_part() -> StatePart:
+    """Each rank's generators in a checkpoint; a resume at another world size seeds afresh (seed_after_resize)."""
+    def restore(saved: list[RngState], context: RestoreContext) -> None:
+        if context.saved_world_size == context.world_size:
+            restore_rng(saved[context.rank])
+        else:
+            seed_after_resize(context.seed, context.step, context.rank)
+
+    return StatePart("rng", capture_rng, restore, PartKind.PER_RANK)
 
 
 def autocast_for(precision: str, device: torch.device) -> AbstractContextManager[object]:
@@ -197,7 +228,7 @@ def autocast_for(precision: str, device: torch.device) -> AbstractContextManager
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def _layout_that_runs(config: Config, spec: TaskSpec, model: nn.Module, tuning: DeviceTuning,
+def _layout_that_runs(config: Config, task: RunTask, model: nn.Module, tuning: DeviceTuning,
                       loader: DataLoader[Any], device: torch.device) -> DeviceTuning:
     """Channels-last, unless the model cannot run in it: a forward pass that flattens a convolution's output
     with ``.view()`` fails on a channels-last tensor (``.reshape()`` or ``flatten`` would not). Tried now, on
@@ -214,10 +245,10 @@ def _layout_that_runs(config: Config, spec: TaskSpec, model: nn.Module, tuning: 
         return tuning
     reason = f"the model's forward pass fails in channels-last memory layout ({described(failure)})"
     if config.model.channels_last == "on":
-        raise TaskError(f"task {spec.describe()}: --channels-last on: {reason}; pass --channels-last off (or make "
+        raise TaskError(f"task {task.describe()}: --channels-last on: {reason}; pass --channels-last off (or make "
                         f"the model use .reshape() or torch.flatten where it calls .view())")
     log.warning("task %s: %s; training in the default layout instead (--channels-last off skips this check; "
-                ".reshape() or torch.flatten instead of .view() would let it use channels-last)", spec.describe(),
+                ".reshape() or torch.flatten instead of .view() would let it use channels-last)", task.describe(),
                 reason)
     return plain
 
@@ -243,35 +274,35 @@ def _forward_fails(config: Config, model: nn.Module, tuning: DeviceTuning, loade
     return None
 
 
-def _check_monitor(spec: TaskSpec, metrics: dict[str, Any]) -> None:
-    monitor, mode = spec.monitor
+def _check_monitor(task: RunTask, metrics: dict[str, Any]) -> None:
+    monitor, mode = task.monitor
     if monitor not in ("loss", *metrics):
-        raise TaskError(f"task {spec.describe()}: monitor {monitor!r} is not one of its metrics "
+        raise TaskError(f"task {task.describe()}: monitor {monitor!r} is not one of its metrics "
                         f"({', '.join(['loss', *metrics])}); --keep-best keeps the best checkpoint by it")
     if mode not in ("min", "max"):
-        raise TaskError(f"task {spec.describe()}: monitor_mode must be 'min' or 'max', got {mode!r}")
+        raise TaskError(f"task {task.describe()}: monitor_mode must be 'min' or 'max', got {mode!r}")
 
 
-def _task_data(spec: TaskSpec, task: Any, context: TaskContext) -> TaskData:
-    data = call_task(spec, "datasets()", lambda: task.datasets(context))
+def _task_data(task: RunTask, instance: Any, context: TaskContext) -> TaskData:
+    data = call_task(task, "datasets()", lambda: instance.datasets(context))
     if not isinstance(data, TaskData):
-        raise TaskError(f"task {spec.describe()}: datasets() returned a {type(data).__name__}; return a "
+        raise TaskError(f"task {task.describe()}: datasets() returned a {type(data).__name__}; return a "
                         f"trainer.task.TaskData(train=..., eval=...)")
     for split in ("train", "eval"):
         dataset = getattr(data, split)
         if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
-            raise TaskError(f"task {spec.describe()}: the {split} dataset ({type(dataset).__name__}) is not map-style: "
+            raise TaskError(f"task {task.describe()}: the {split} dataset ({type(dataset).__name__}) is not map-style: "
                             f"it needs __len__ and __getitem__ (an IterableDataset cannot be resumed exactly)")
-        size = call_task(spec, f"len() of the {split} dataset", lambda dataset=dataset: len(dataset))
+        size = call_task(task, f"len() of the {split} dataset", lambda dataset=dataset: len(dataset))
         if size == 0:
-            raise TaskError(f"task {spec.describe()}: the {split} dataset is empty")
+            raise TaskError(f"task {task.describe()}: the {split} dataset is empty")
     return data
 
 
-def _task_model(spec: TaskSpec, task: Any, data: TaskData) -> nn.Module:
-    model = call_task(spec, "model()", lambda: task.model(data))
+def _task_model(task: RunTask, instance: Any, data: TaskData) -> nn.Module:
+    model = call_task(task, "model()", lambda: instance.model(data))
     if not isinstance(model, nn.Module):
-        raise TaskError(f"task {spec.describe()}: model() returned a {type(model).__name__}, not a torch.nn.Module")
+        raise TaskError(f"task {task.describe()}: model() returned a {type(model).__name__}, not a torch.nn.Module")
     if not any(parameter.requires_grad for parameter in model.parameters()):
-        raise TaskError(f"task {spec.describe()}: model() returned a module with no trainable parameters")
+        raise TaskError(f"task {task.describe()}: model() returned a module with no trainable parameters")
     return model

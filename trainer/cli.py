@@ -18,14 +18,14 @@ import yaml
 from trainer.config import DEFAULT_TASK, SECTIONS, Config
 from trainer.errors import ConfigError, TaskError
 from trainer.options import add_flags, build, fields_of, names
-from trainer.task import TaskSpec, resolve
+from trainer.task import RunTask, TaskSpec, resolve
 from trainer.tasks import TASKS
 
 TASK_SECTION = "task"
 
 
 def build_parser(spec: TaskSpec, prog: str = "ddp-train", task_fixed: bool = False,
-                 underneath: Config | None = None) -> argparse.ArgumentParser:
+                 underneath: tuple[Config, RunTask] | None = None) -> argparse.ArgumentParser:
     """``underneath``: the config before flags (defaults, file, settings), whose values --help shows."""
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -43,15 +43,15 @@ def build_parser(spec: TaskSpec, prog: str = "ddp-train", task_fixed: bool = Fal
     return parser
 
 
-def _values(config: Config | None, section: str) -> dict[str, Any] | None:
-    if config is None:
+def _values(underneath: tuple[Config, RunTask] | None, section: str) -> dict[str, Any] | None:
+    if underneath is None:
         return None
-    return {key: value for key, value in config.to_dict()[section].items() if key != "name"}
+    return {key: value for key, value in layout(*underneath)[section].items() if key != "name"}
 
 
 def parse_config(argv: Sequence[str] | None = None, task: str | type | None = None,
-                 settings: Mapping[str, Any] | None = None, prog: str = "ddp-train") -> tuple[Config, TaskSpec]:
-    """The validated config and the task it trains; ``task`` fixes the task (a script's own)."""
+                 settings: Mapping[str, Any] | None = None, prog: str = "ddp-train") -> tuple[Config, RunTask]:
+    """The validated config and the task it trains, with its options; ``task`` fixes the task (a script's own)."""
     known, _ = _pre_parser(task is not None).parse_known_args(argv)
     file_values = load_yaml(known.config) if known.config else {}
     values = _merged(dict(settings or {}), file_values)
@@ -61,11 +61,13 @@ def parse_config(argv: Sequence[str] | None = None, task: str | type | None = No
     given = vars(build_parser(spec, prog, task_fixed=task is not None, underneath=underneath).parse_args(argv))
     given.pop("config", None)
     given.pop("task", None)
-    return config_from_values(spec, values, given), spec
+    return config_from_values(spec, values, given)
 
 
-def config_from_values(spec: TaskSpec, values: Mapping[str, Any], flags: Mapping[str, Any] | None = None) -> Config:
-    """A Config from nested ``{section: {field: value}}`` and/or flat ``{field: value}`` values, then flags."""
+def config_from_values(spec: TaskSpec, values: Mapping[str, Any], flags: Mapping[str, Any] | None = None
+                       ) -> tuple[Config, RunTask]:
+    """A Config and the task with its options, from nested ``{section: {field: value}}`` and/or flat
+    ``{field: value}`` values, then flags."""
     task_fields = {field.name for field in fields_of(spec.options_type)}
     owner = {field.name: section for section, kind in SECTIONS.items() for field in fields_of(kind)}
     owner.update(dict.fromkeys(task_fields, TASK_SECTION))
@@ -86,7 +88,7 @@ def config_from_values(spec: TaskSpec, values: Mapping[str, Any], flags: Mapping
         nested[owner[key]][key] = value
     sections = {name: build(kind, nested[name], where=f"section {name!r}") for name, kind in SECTIONS.items()}
     options = build(spec.options_type, nested[TASK_SECTION], where=f"the options of task {spec.describe()}")
-    return Config(task=spec.source, task_options=options, **sections)
+    return Config(**sections), RunTask(spec, options)
 
 
 def _pre_parser(task_fixed: bool) -> argparse.ArgumentParser:
@@ -170,5 +172,10 @@ def load_yaml(path: str) -> dict[str, Any]:
     return loaded
 
 
-def dump_yaml(config: Config) -> str:
-    return yaml.safe_dump(config.to_dict(), sort_keys=False)
+def layout(config: Config, task: RunTask) -> dict[str, Any]:
+    """The YAML layout: ``task: {name: ..., <options>}`` then one mapping per section."""
+    return {TASK_SECTION: task.to_dict(), **config.to_dict()}
+
+
+def dump_yaml(config: Config, task: RunTask) -> str:
+    return yaml.safe_dump(layout(config, task), sort_keys=False)

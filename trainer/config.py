@@ -7,15 +7,13 @@ lives in ``__post_init__``, so a config built from flags, YAML or a checkpoint i
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from trainer.errors import ConfigError
-from trainer.gradsync import SYNC_METHODS
-from trainer.optimizers import OPTIMIZERS
 from trainer.options import ResumeRule, as_dict, check, check_choice, option
 from trainer.schedule import SCHEDULES
+from trainer.seams import OPTIMIZERS, SYNC_METHODS
 
 __all__ = ["SECTIONS", "CheckpointConfig", "Config", "DataConfig", "DistConfig", "ModelConfig", "OptimConfig",
            "OutputConfig", "TrainConfig"]
@@ -186,10 +184,8 @@ SECTIONS: dict[str, type] = {
 
 @dataclass
 class Config:
-    """The trainer's sections, the task (as named with --task) and the task's options."""
+    """The trainer's sections (what to train is the run's trainer.task.RunTask, apart)."""
 
-    task: str = DEFAULT_TASK
-    task_options: Any = None  # an instance of the task's Options dataclass (set by trainer.cli)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -201,18 +197,18 @@ class Config:
     def __post_init__(self) -> None:
         if self.optim.precision == "fp16" and self.dist.device == "cpu":
             raise ConfigError("--precision fp16 needs a GPU; use --precision bf16 on CPU")
-        if self.train.sync == "dp" and self.model.sync_bn:
-            raise ConfigError("--sync dp runs one process; --sync-bn needs several ranks (use --sync ddp)")
+        if self.model.sync_bn and SYNC_METHODS.get(self.train.sync).one_process:
+            raise ConfigError(f"--sync {self.train.sync} runs one process; --sync-bn needs several ranks "
+                              f"(use --sync ddp)")
 
     @property
-    def checkpoint_dir(self) -> str:
+    def checkpoint_location(self) -> str:
+        """Where checkpoints go: --checkpoint-dir, or OUTPUT_DIR/checkpoints by default."""
         return self.checkpoint.checkpoint_dir or f"{self.output.output_dir.rstrip('/')}/checkpoints"
 
     def sections(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in SECTIONS}
 
     def to_dict(self) -> dict[str, Any]:
-        """The YAML layout: ``task: {name: ..., <options>}`` then one mapping per section."""
-        options = as_dict(self.task_options) if dataclasses.is_dataclass(self.task_options) else {}
-        return {"task": {"name": self.task, **options},
-                **{name: as_dict(section) for name, section in self.sections().items()}}
+        """One mapping per section, as the YAML file has them (trainer.cli adds the task's)."""
+        return {name: as_dict(section) for name, section in self.sections().items()}

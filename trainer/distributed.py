@@ -10,17 +10,15 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, NoReturn, TypeVar
+from typing import NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from trainer.config import DistConfig
 from trainer.errors import DeviceError, RendezvousError, UserError, first_line
 from trainer.launchers import DistIdentity
 from trainer.liveness import PROGRESS_GRACE_S, Liveness
-
-if TYPE_CHECKING:  # the config's choices come from registries whose modules import this one
-    from trainer.config import DistConfig
 
 __all__ = ["Runtime", "StopVote", "agree", "agreed", "any_rank", "broadcast_from_main", "choose_backend",
            "choose_device", "gather_to_main", "process_group"]

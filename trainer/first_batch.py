@@ -49,10 +49,10 @@ def _first_keys(loader: DataLoader[Any]) -> list[int]:
 
 def _check_batch(setup: TrainingSetup, runtime: Runtime, split: str, loader: DataLoader[Any], keys: list[int]
                  ) -> None:
-    spec, dataset = setup.spec, loader.dataset
+    task, dataset = setup.task, loader.dataset
     assert isinstance(dataset, SeededItems)
-    where = f"task {spec.describe()}: the {split} dataset"
-    items = call_task(spec, f"the {split} dataset's __getitem__", lambda: dataset.__getitems__(keys))
+    where = f"task {task.describe()}: the {split} dataset"
+    items = call_task(task, f"the {split} dataset's __getitem__", lambda: dataset.__getitems__(keys))
     if setup.data.collate_fn is None:
         check_items(where, items, [dataset.index(key) for key in keys])
     batch = loader.collate_fn(items)
@@ -63,18 +63,18 @@ def _check_batch(setup: TrainingSetup, runtime: Runtime, split: str, loader: Dat
     model.eval()
     try:
         with setup.autocast():
-            outputs = call_task(spec, f"the model's forward pass on the first {split} batch", lambda: model(inputs))
-            loss = call_task(spec, f"loss() on the first {split} batch", lambda: setup.task.loss(outputs, targets))
+            outputs = call_task(task, f"the model's forward pass on the first {split} batch", lambda: model(inputs))
+            loss = call_task(task, f"loss() on the first {split} batch", lambda: setup.instance.loss(outputs, targets))
     finally:
         model.train()
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         found = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__name__
-        raise TaskError(f"task {spec.describe()}: loss() must return one number (a 0-dim tensor, the batch's mean), "
+        raise TaskError(f"task {task.describe()}: loss() must return one number (a 0-dim tensor, the batch's mean), "
                         f"got {found}")
     if not loss.dtype.is_floating_point:
-        raise TaskError(f"task {spec.describe()}: loss() returned a {loss.dtype} tensor; it must be floating point")
+        raise TaskError(f"task {task.describe()}: loss() returned a {loss.dtype} tensor; it must be floating point")
     metrics = setup.metric_set()
-    call_task(spec, f"a metric's update() on the first {split} batch",
+    call_task(task, f"a metric's update() on the first {split} batch",
               lambda: metrics.update(loss.detach(), detached(outputs), targets))
-    call_task(spec, "a metric's compute()", lambda: metrics.compute(runtime, reduce=False))
+    call_task(task, "a metric's compute()", lambda: metrics.compute(runtime, reduce=False))
     batch_size(targets)  # targets from which the number of samples can be told

@@ -17,8 +17,8 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from trainer.distributed import Runtime
 from trainer.errors import ConfigError
-from trainer.registry import Registry
 from trainer.rng import capture_rng, restore_rng
+from trainer.seams import SYNC_METHODS
 
 __all__ = ["SYNC_METHODS", "GradSync", "build_grad_sync", "unwrap"]
 
@@ -28,6 +28,7 @@ class GradSync:
     ``after_backward`` after the final one."""
 
     name = "none"
+    one_process = False  # all the node's devices in one process: nothing for SyncBatchNorm to synchronise
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
@@ -127,6 +128,7 @@ class DataParallelSync(GradSync):
     """Single-process DataParallel over the node's GPUs (the oldest tutorial); plain model on CPU."""
 
     name = "dp"
+    one_process = True
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if self.runtime.identity.world_size != 1:
@@ -139,7 +141,6 @@ class DataParallelSync(GradSync):
         return model
 
 
-SYNC_METHODS: Registry[type[GradSync]] = Registry("gradient synchronisation method", "--sync")
 SYNC_METHODS.add(DDPSync.name, DDPSync, "DistributedDataParallel, overlapping communication with backward")
 SYNC_METHODS.add(AllReduceSync.name, AllReduceSync, "one all-reduce per parameter after backward")
 SYNC_METHODS.add(ReduceBroadcastSync.name, ReduceBroadcastSync, "reduce to rank 0, then broadcast")

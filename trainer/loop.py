@@ -16,14 +16,14 @@ from torch.utils.data import DataLoader
 
 from trainer.build import TrainingSetup
 from trainer.checkpoint import CheckpointManager, LoadedCheckpoint
-from trainer.checkpoint.schema import TaskRecord, Trainable, capture, restore
+from trainer.checkpoint.parts import RestoreContext, add_run_parts
+from trainer.checkpoint.schema import TaskRecord
 from trainer.config import Config
 from trainer.distributed import Runtime, agreed
 from trainer.errors import CheckpointError, OutputError, Preempted, first_line
 from trainer.evaluation import detached, evaluate
 from trainer.first_batch import check_first_batches
-from trainer.gradsync import broadcast_buffers, unwrap
-from trainer.options import as_dict
+from trainer.gradsync import broadcast_buffers
 from trainer.position import TrainingPosition
 from trainer.preemption import PreemptionWatcher
 from trainer.redact import redacted
@@ -43,12 +43,11 @@ class Trainer:
         self.watcher = watcher
         self.log = log
         self.position = TrainingPosition()
-        self.parts = Trainable(unwrap(setup.model), setup.optimizer, setup.scaler, self.position)
-        options = as_dict(config.task_options)
         # Stored redacted, as every saved config (trainer.redact); trainer.resume compares it so.
-        self.task_record = TaskRecord(setup.spec.name, setup.spec.source, redacted(options))
-        # What only the optimizer step changes: an asynchronous save copies it during the next step's compute.
-        self._parameter_names = frozenset(name for name, _ in self.parts.model.named_parameters())
+        self.task_record = TaskRecord(setup.task.name, setup.task.source, redacted(setup.task.options_dict()))
+        self.state = setup.state
+        add_run_parts(self.state, self.position, self.task_record,
+                      redacted({name: value for name, value in config.to_dict().items() if name != "task"}))
         self.resumed_from: str | None = None
         self.samples_at_start = 0  # where this run started (its throughput counts from there)
         self.output_dir = Path(config.output.output_dir)
@@ -69,8 +68,10 @@ class Trainer:
     def restore(self, loaded: LoadedCheckpoint) -> None:
         """Continue from a checkpoint that trainer.resume.check_resume accepted for this run."""
         state, identity = loaded.state, self.runtime.identity
+        context = RestoreContext(identity.rank, identity.world_size, state.world_size, self.config.train.seed,
+                                 state.position.step, loaded.location)
         try:
-            restore(state, self.parts, identity.rank, identity.world_size, self.config.train.seed)
+            self.state.restore(state, context)
         except (RuntimeError, ValueError, KeyError) as error:
             raise CheckpointError(
                 f"checkpoint {loaded.location} does not fit this model ({first_line(error)}); it was written with "
@@ -101,9 +102,8 @@ class Trainer:
         if self.position.step == self._last_saved_step and metrics is None:
             return
         broadcast_buffers(self.setup.model, self.runtime)
-        config = redacted({name: value for name, value in self.config.to_dict().items() if name != "task"})
-        self.checkpoints.save(capture(self.parts, self.task_record, config, self.runtime.identity.world_size),
-                              metrics, self._parameter_names)
+        self.checkpoints.save(self.state.capture(self.runtime.identity.world_size), metrics,
+                              self.state.changed_by_step_only)
         self._last_saved_step = self.position.step
 
     # -- training ------------------------------------------------------------------------------------------
@@ -147,7 +147,7 @@ class Trainer:
                 with context:
                     with setup.autocast():
                         outputs = setup.model(inputs)
-                        loss = setup.task.loss(outputs, targets)
+                        loss = setup.instance.loss(outputs, targets)
                     if runtime.liveness is not None:
                         runtime.liveness.made_progress()  # a rank stuck before its backward is told from the others
                     setup.scaler.scale(share_of_step(loss, mine, world_size, step_samples)).backward()
@@ -199,10 +199,10 @@ class Trainer:
 
         def first_loss() -> Tensor:
             with setup.autocast():
-                loss: Tensor = setup.task.loss(setup.model(inputs), targets)
+                loss: Tensor = setup.instance.loss(setup.model(inputs), targets)
             return loss
 
-        call_task(setup.spec, "the first training batch's forward and backward pass",
+        call_task(setup.task, "the first training batch's forward and backward pass",
                   lambda: setup.sync.prime(setup.model, first_loss))
 
     def _optimizer_step(self) -> float:
@@ -238,7 +238,7 @@ class Trainer:
     def _evaluate(self, epoch: int, mid_epoch: bool = False) -> Metrics:
         setup = self.setup
         with self.runtime.busy("evaluating"):
-            result = evaluate(setup.model, setup.eval_loader, setup.task, self.eval_metrics, self.runtime,
+            result = evaluate(setup.model, setup.eval_loader, setup.instance, self.eval_metrics, self.runtime,
                               setup.autocast, setup.inputs_on_device)
         record = {**result, "epoch": epoch + 1, "samples_seen": self.position.samples_seen}
         agreed(self.runtime, lambda: self.metrics.write("test", self.position.step, record), OutputError)

@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from trainer.registry import Registry
+from trainer.config import OptimConfig
+from trainer.seams import OPTIMIZERS
 
-if TYPE_CHECKING:  # the config refers to this registry for its choices
-    from trainer.config import OptimConfig
-
-Builder = Callable[[Iterable[nn.Parameter], float, "OptimConfig"], torch.optim.Optimizer]
-OPTIMIZERS: Registry[Builder] = Registry("optimizer", "--optimizer")
+Builder = Callable[[Iterable[nn.Parameter], float, OptimConfig], torch.optim.Optimizer]
 
 # Devices with fused AdamW and SGD kernels in PyTorch.
 FUSED_DEVICES = ("cpu", "cuda")

@@ -6,6 +6,7 @@ validation and the lookup itself all read it, so an entry added here is usable e
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -29,13 +30,23 @@ class Registry(Generic[T]):
 
     ``patterns`` describe names resolved rather than listed (``torchvision/<name>``): a resolver
     returns the value for a name it understands, or None.
+
+    ``home``: the module whose import fills the registry, imported when the names are first read. A registry
+    declared apart from its entries (trainer.seams) lets the config read the names without importing the
+    implementations, which import the config.
     """
 
-    def __init__(self, kind: str, flag: str) -> None:
+    def __init__(self, kind: str, flag: str, home: str = "") -> None:
         self.kind = kind  # what the names name, for messages: "model", "dataset"
         self.flag = flag  # where users type them: "--model"
+        self.home = home
         self._entries: dict[str, Entry[T]] = {}
         self._resolvers: list[tuple[str, Callable[[str], T | None]]] = []
+
+    def _filled(self) -> dict[str, Entry[T]]:
+        if self.home:
+            importlib.import_module(self.home)  # once imported, a lookup in sys.modules
+        return self._entries
 
     def add(self, name: str, value: T, help: str = "") -> T:
         if name in self._entries:
@@ -51,20 +62,20 @@ class Registry(Generic[T]):
         self._resolvers.append((pattern, resolve))
 
     def names(self) -> tuple[str, ...]:
-        return tuple(self._entries)
+        return tuple(self._filled())
 
     def describe(self) -> str:
         """The choices for --help: every name, then every pattern."""
-        return ", ".join([*self._entries, *(pattern for pattern, _ in self._resolvers)])
+        return ", ".join([*self._filled(), *(pattern for pattern, _ in self._resolvers)])
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and (name in self._entries or self._resolve(name) is not None)
+        return isinstance(name, str) and (name in self._filled() or self._resolve(name) is not None)
 
     def __iter__(self) -> Iterator[Entry[T]]:
-        return iter(self._entries.values())
+        return iter(self._filled().values())
 
     def get(self, name: str) -> T:
-        entry = self._entries.get(name)
+        entry = self._filled().get(name)
         if entry is not None:
             return entry.value
         resolved = self._resolve(name)

@@ -21,22 +21,22 @@ from trainer.config import SECTIONS, Config
 from trainer.errors import CheckpointError
 from trainer.options import ResumeRule, fields_of, flag_of, resume_rule
 from trainer.redact import redacted
-from trainer.task import TaskSpec
+from trainer.task import RunTask
 
 FIX = "use another --checkpoint-dir, or --resume none to start afresh (the checkpoints are kept)"
 
 
-def check_resume(loaded: LoadedCheckpoint, config: Config, spec: TaskSpec) -> list[str]:
+def check_resume(loaded: LoadedCheckpoint, config: Config, task: RunTask) -> list[str]:
     """The changes this resume makes (to log); CheckpointError if one is refused or not allowed by flag."""
     state = loaded.state
-    if state.task.name != spec.name:
+    if state.task.name != task.name:
         raise CheckpointError(f"checkpoint {loaded.location} is of task {state.task.name!r} ({state.task.source}) but "
-                              f"this run trains {spec.name!r}; pass --task {state.task.source}, or {FIX}")
+                              f"this run trains {task.name!r}; pass --task {state.task.source}, or {FIX}")
     allowed = config.checkpoint.allowed_changes()
     changes: list[tuple[str, Any, Any, ResumeRule]] = []
     for section, kind in SECTIONS.items():
         changes += _differences(state.config.get(section, {}), getattr(config, section), kind)
-    changes += _differences(state.task.options, config.task_options, type(config.task_options))
+    changes += _differences(state.task.options, task.options, type(task.options))
     refused = [change for change in changes if change[3] is ResumeRule.REFUSE]
     if refused:
         name, saved, now, _ = refused[0]

@@ -96,3 +96,4 @@ def seed_item(seed: int, epoch: int, index: int) -> None:
     np.random.seed(value % 2**32)
     # default_generator, not torch.manual_seed: that also queues a CUDA seeding, ~100 µs a call.
     torch.default_generator.manual_seed(value)
+

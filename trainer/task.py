@@ -48,6 +48,7 @@ from torch.utils.data import Dataset
 from trainer.distributed import Runtime
 from trainer.errors import TaskError, UserError, described
 from trainer.metrics import Metric
+from trainer.options import as_dict
 from trainer.registry import Registry
 
 __all__ = ["NoOptions", "Task", "TaskContext", "TaskData", "batch_size", "to_device"]
@@ -140,6 +141,42 @@ class TaskSpec:
         return call_task(self, f"creating it ({self.cls.__name__}(options))", lambda: self.cls(options))
 
 
+@dataclass(frozen=True)
+class RunTask:
+    """What a run trains, carried from the CLI to the loop: the task class --task named, and its options.
+
+    (The object the class makes with those options is the setup's ``instance``; what a checkpoint keeps of
+    this is its ``task`` part, a trainer.checkpoint.TaskRecord.)"""
+
+    spec: TaskSpec
+    options: Any  # an instance of the task's Options dataclass
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def source(self) -> str:
+        return self.spec.source
+
+    @property
+    def monitor(self) -> tuple[str, str]:
+        return self.spec.monitor
+
+    def describe(self) -> str:
+        return self.spec.describe()
+
+    def create(self) -> Any:
+        return self.spec.create(self.options)
+
+    def options_dict(self) -> dict[str, Any]:
+        return as_dict(self.options) if dataclasses.is_dataclass(self.options) else {}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML layout: ``{name: <as --task named it>, <options>}``."""
+        return {"name": self.source, **self.options_dict()}
+
+
 def resolve(source: str | type, builtins: Registry[type]) -> TaskSpec:
     """The task class named by --task: a built-in's name or ``package.module:Name``; TaskError otherwise."""
     if isinstance(source, type):
@@ -211,7 +248,7 @@ def _checked(spec: TaskSpec) -> TaskSpec:
     return spec
 
 
-def call_task(spec: TaskSpec, part: str, call: Callable[[], Any]) -> Any:
+def call_task(spec: TaskSpec | RunTask, part: str, call: Callable[[], Any]) -> Any:
     """Run one part of a user's task; its failure becomes one line naming the task, the part and the place."""
     try:
         return call()
@@ -239,7 +276,7 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
 
 
-def check_metrics(spec: TaskSpec, metrics: Any) -> dict[str, Any]:
+def check_metrics(spec: TaskSpec | RunTask, metrics: Any) -> dict[str, Any]:
     """The task's metrics, each one that the trainer can reduce across ranks; TaskError otherwise."""
     if not isinstance(metrics, Mapping):
         raise TaskError(f"task {spec.describe()}: metrics() must return a dict of name -> metric, got "

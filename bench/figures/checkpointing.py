@@ -33,14 +33,8 @@ from torch import nn
 from bench.harness.context import Context
 from bench.harness.measure import load_average
 from bench.harness.results import FigureResult, Goal, Row
-from trainer.checkpoint import (
-    CheckpointManager,
-    TaskRecord,
-    Trainable,
-    TrainingPosition,
-    TrainingState,
-    capture,
-)
+from trainer.build import state_parts
+from trainer.checkpoint import CheckpointManager, StateParts, TaskRecord, TrainingPosition, add_run_parts
 from trainer.config import CheckpointConfig, DistConfig
 from trainer.distributed import Runtime, process_group
 from trainer.launchers import identity_from_env
@@ -49,15 +43,17 @@ from trainer.models import build_model
 TITLE = "Checkpointing"
 
 
-def training_state(model_name: str) -> tuple[TrainingState, nn.Module]:
-    """Model and AdamW state after one step (exp_avg and exp_avg_sq exist), captured as the trainer does."""
+def training_state(model_name: str) -> tuple[StateParts, TrainingPosition, nn.Module]:
+    """Model and AdamW state after one step (exp_avg and exp_avg_sq exist), as the trainer's checkpoint parts."""
     torch.manual_seed(0)
     model = build_model(model_name, 3, (32, 32), 10)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     model(torch.randn(2, 3, 32, 32)).sum().backward()
     optimizer.step()
-    parts = Trainable(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), TrainingPosition(step=1))
-    return capture(parts, TaskRecord("classification", "classification", {"model": model_name}), {}, 1), model
+    parts, position = state_parts(model, optimizer, torch.amp.GradScaler("cpu", enabled=False)), TrainingPosition()
+    position.step = 1
+    add_run_parts(parts, position, TaskRecord("classification", "classification", {"model": model_name}), {})
+    return parts, position, model
 
 
 def _timed(action: Callable[[], object]) -> float:
@@ -94,10 +90,9 @@ def _forward_backward(model: nn.Module, batch: torch.Tensor) -> None:
     model(batch).sum().backward()
 
 
-def measure(name: str, typed: TrainingState, model: nn.Module, folder: Path, runtime: Runtime,
-            repeats: int) -> dict[str, Any]:
-    state = typed.to_dict()
-    parameters = frozenset(key for key, _ in model.named_parameters())
+def measure(name: str, parts: StateParts, position: TrainingPosition, model: nn.Module, folder: Path,
+            runtime: Runtime, repeats: int) -> dict[str, Any]:
+    state = parts.capture(1).to_dict()
     batch = torch.randn(32, 3, 32, 32)
     log = logging.getLogger("checkpoint-bench")
     sync = CheckpointManager(CheckpointConfig(keep_last=2), str(folder / "sync"), runtime, log)
@@ -106,13 +101,13 @@ def measure(name: str, typed: TrainingState, model: nn.Module, folder: Path, run
     for manager in (sync, background):
         manager.prepare()
     try:
-        return _measure(name, typed, model, state, parameters, batch, folder, sync, background, repeats)
+        return _measure(name, parts, position, model, state, batch, folder, sync, background, repeats)
     finally:
         for manager in (sync, background):
             manager.close()  # the folder's lease: released, its renewal stopped before the folder is removed
 
 
-def _measure(name: str, typed: TrainingState, model: nn.Module, state: dict[str, Any], parameters: frozenset[str],
+def _measure(name: str, parts: StateParts, position: TrainingPosition, model: nn.Module, state: dict[str, Any],
              batch: torch.Tensor, folder: Path, sync: CheckpointManager, background: CheckpointManager,
              repeats: int) -> dict[str, Any]:
     buffer = io.BytesIO()
@@ -124,17 +119,18 @@ def _measure(name: str, typed: TrainingState, model: nn.Module, state: dict[str,
                                                          "sha256", "torch_save_to_path_fsync")}
     for step in range(1, repeats + 1):  # interleaved: a slow moment of the machine hits every method alike
         times["raw_write_fsync"].append(_timed(lambda: _raw_write(folder, data)))
-        typed.position.step = step
-        times["sync_save"].append(_timed(lambda: sync.save(typed)))
+        position.step = step
+        typed = parts.capture(1)  # as the trainer does at each save: the parts' values, not copies
+        times["sync_save"].append(_timed(lambda typed=typed: sync.save(typed)))
         started = time.perf_counter()
-        background.save(typed, unchanged_until_update=parameters)
+        background.save(typed, changed_by_step_only=parts.changed_by_step_only)
         blocked = time.perf_counter() - started
         times["forward_backward"].append(_timed(lambda: _forward_backward(model, batch)))
         blocked += _timed(background.before_update)
         times["async_blocked"].append(blocked)
         background.finish()
         times["async_total"].append(time.perf_counter() - started)
-        times["async_blocked_all_copied_at_save"].append(_timed(lambda: background.save(typed)))
+        times["async_blocked_all_copied_at_save"].append(_timed(lambda typed=typed: background.save(typed)))
         background.finish()
         times["torch_save_to_memory"].append(_timed(lambda: torch.save(state, io.BytesIO())))
         times["crc32"].append(_timed(lambda: zlib.crc32(data)))

@@ -18,8 +18,9 @@ from devtools.processes import REPO_ROOT
 from tests.support.k8s_manifests import K8S_DIR, PLAIN_DIR, SOURCES, Obj, config_maps, images, of_kind, render
 from tests.support.k8s_operator import CONTAINER, PodPlan, admission_errors, pod_plans
 from tests.support.kubeflow_api import CHECKS, api_errors
-from trainer.cli import parse_config
+from trainer.cli import layout, parse_config
 from trainer.config import Config
+from trainer.task import RunTask
 
 # The oldest Kubernetes the training operator v1.9 supports, and the newest schema known offline.
 KUBERNETES_VERSIONS = ("1.28.0", kubernetes_validate.latest_version())
@@ -33,8 +34,8 @@ def job_of(source: str) -> Obj:
     return job
 
 
-def trainer_config(source: str, plan: PodPlan, tmp_path: Path) -> Config:
-    """The trainer's config as the pod's command would read it from the mounted ConfigMap."""
+def trainer_config(source: str, plan: PodPlan, tmp_path: Path) -> tuple[Config, RunTask]:
+    """The trainer's config and task as the pod's command would read them from the mounted ConfigMap."""
     args = plan.container["args"]
     mount_path = Path(args[args.index("--config") + 1])
     volumes = {v["name"]: v for v in plan.template["spec"]["volumes"]}
@@ -46,8 +47,7 @@ def trainer_config(source: str, plan: PodPlan, tmp_path: Path) -> Config:
     else:
         raise AssertionError(f"--config {mount_path} is on no volume of pod {plan.name}")
     (tmp_path / "config.yaml").write_text(text)
-    config, _ = parse_config(["--config", str(tmp_path / "config.yaml"), *args[args.index("--config") + 2:]])
-    return config
+    return parse_config(["--config", str(tmp_path / "config.yaml"), *args[args.index("--config") + 2:]])
 
 
 def test_kubectl_apply_on_the_folder_sends_the_job_its_config_and_its_volume():
@@ -133,7 +133,7 @@ def test_restart_policy_matches_what_the_command_exits_with(source):
 @pytest.mark.parametrize("source", PYTORCHJOB_SOURCES)
 def test_pods_outlive_the_preemption_checkpoint(source, tmp_path):
     for plan in pod_plans(job_of(source)):
-        grace_s = trainer_config(source, plan, tmp_path).checkpoint.grace_period_s
+        grace_s = trainer_config(source, plan, tmp_path)[0].checkpoint.grace_period_s
         assert grace_s + 10 <= plan.template["spec"]["terminationGracePeriodSeconds"], plan.name
         if plan.container["command"] == ["torchrun"]:
             assert grace_s < TORCHRUN_SHUTDOWN_S, plan.name
@@ -142,12 +142,12 @@ def test_pods_outlive_the_preemption_checkpoint(source, tmp_path):
 @pytest.mark.parametrize("source", PYTORCHJOB_SOURCES)
 def test_checkpoints_are_on_the_persistent_volume_so_new_pods_resume(source, tmp_path):
     for plan in pod_plans(job_of(source)):
-        config = trainer_config(source, plan, tmp_path)
+        config, _ = trainer_config(source, plan, tmp_path)
         assert config.checkpoint.resume == "latest"
         volumes = {v["name"]: v for v in plan.template["spec"]["volumes"]}
         claim_paths = [m["mountPath"] for m in plan.container["volumeMounts"]
                        if "persistentVolumeClaim" in volumes[m["name"]] and not m.get("readOnly")]
-        assert any(Path(config.checkpoint_dir).is_relative_to(p) for p in claim_paths), plan.name
+        assert any(Path(config.checkpoint_location).is_relative_to(p) for p in claim_paths), plan.name
         assert any(Path(config.output.output_dir).is_relative_to(p) for p in claim_paths), plan.name
 
 
@@ -218,8 +218,8 @@ def test_config_map_is_a_valid_trainer_config(source, tmp_path):
 @pytest.mark.parametrize("source", ["k8s/overlays/gpu-single-node", "k8s/overlays/gpu-multi-node"])
 def test_gpu_jobs_train_the_cpu_job_on_cuda_with_nccl(source, tmp_path):
     (gpu_plan, *_), (cpu_plan, *_) = pod_plans(job_of(source)), pod_plans(job_of(PLAIN_DIR))
-    gpu = trainer_config(source, gpu_plan, tmp_path).to_dict()
-    cpu = trainer_config(PLAIN_DIR, cpu_plan, tmp_path).to_dict()
+    gpu = layout(*trainer_config(source, gpu_plan, tmp_path))
+    cpu = layout(*trainer_config(PLAIN_DIR, cpu_plan, tmp_path))
     assert (gpu["dist"]["device"], gpu["dist"]["backend"]) == ("cuda", "nccl")
     assert {k: v for k, v in gpu.items() if k != "dist"} == {k: v for k, v in cpu.items() if k != "dist"}
 
@@ -228,7 +228,7 @@ def test_elastic_job_joins_a_c10d_rendezvous_that_closes_when_all_workers_are_in
     job = job_of("k8s/overlays/elastic")
     spec = job["spec"]
     elastic, workers = spec["elasticPolicy"], spec["pytorchReplicaSpecs"]["Worker"]["replicas"]
-    # torchrun's run id, the job's name for its checkpoint folder's lease in every round (trainer.launchers.job_name).
+    # torchrun's run id: the job's name for its checkpoint folder's lease in every round (Torchrun.job).
     assert elastic["rdzvId"] == job["metadata"]["name"]
     assert "Master" not in spec["pytorchReplicaSpecs"]
     assert elastic["rdzvBackend"] == "c10d" and elastic["maxRestarts"] >= 1

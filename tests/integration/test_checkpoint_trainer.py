@@ -66,7 +66,9 @@ def checkpoints(reference: Path, tmp_path: Path) -> Path:
 def test_a_checkpoint_holds_the_full_state_and_its_model_loads_into_a_plain_model(reference):
     _, manifest, state = newest_checkpoint(reference)
     assert set(state) == {"model", "optimizer", "grad_scaler", "position", "task", "rng", "config", "world_size",
-                          "versions"}
+                          "versions", "part_versions"}
+    assert state["part_versions"] == dict.fromkeys(("model", "optimizer", "grad_scaler", "rng", "position", "task",
+                                                    "config"), 1)
     assert state["world_size"] == 1 and len(state["rng"]) == 1 and set(state["rng"][0]) >= {"python", "numpy", "torch"}
     assert state["position"]["step"] == manifest["step"] == 16 and state["optimizer"]["state"]
     assert {"torch", "torchvision", "trainer", "python"} <= set(state["versions"])
@@ -169,8 +171,8 @@ def test_every_asynchronous_checkpoint_followed_by_training_equals_the_synchrono
     assert storage.list_checkpoints() == expected.list_checkpoints() and len(storage.list_checkpoints()) == 8
     for name in storage.list_checkpoints():
         written, wanted = verify(storage, name).state, verify(expected, name).state
-        assert_same_tensors({"model": written.model, "optimizer": written.optimizer},
-                            {"model": wanted.model, "optimizer": wanted.optimizer}, name)
+        assert_same_tensors({part: written.parts[part] for part in ("model", "optimizer")},
+                            {part: wanted.parts[part] for part in ("model", "optimizer")}, name)
 
 
 @pytest.mark.parametrize("scheme", ["memory", "file"])
@@ -217,9 +219,9 @@ def test_a_checkpoint_of_the_previous_format_migrates_its_tensors_exactly_and_re
     raw = torch.load(FORMAT_2 / "step-00000005" / "state.pt", map_location="cpu", weights_only=True)
     migrated = verify(open_storage(str(FORMAT_2)), "step-00000005").state
     assert_same_tensors(migrated.model, raw["model"])
-    assert_same_tensors(migrated.optimizer, raw["optimizer"])
-    assert_same_tensors(migrated.grad_scaler, raw["scaler"])
-    assert_same_tensors(migrated.rng, raw["rng"])
+    assert_same_tensors(migrated.parts["optimizer"], raw["optimizer"])
+    assert_same_tensors(migrated.parts["grad_scaler"], raw["scaler"])
+    assert_same_tensors(migrated.parts["rng"], raw["rng"])
     assert migrated.position.to_dict() == {key: value for key, value in raw["position"].items()
                                            if key != "best_accuracy"}
     assert (migrated.position.step, migrated.world_size, migrated.task.options["model"]) == (5, 1, "convnet")

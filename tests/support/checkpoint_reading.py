@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from trainer.checkpoint import TaskRecord, TrainingPosition, TrainingState, open_storage, verify
+from trainer.rng import capture_rng
 
 
 def wait_for_checkpoint(checkpoint_dir: Path, *processes: subprocess.Popen, timeout_s: float = 120) -> None:
@@ -59,7 +61,8 @@ def summary(output_dir: Path) -> dict[str, Any]:
 
 
 def state_at(step: int, weight: torch.Tensor | None = None) -> TrainingState:
-    """A minimal typed training state: one weight tensor (filled with the step), at ``step``."""
-    return TrainingState(model={"weight": torch.full((64, 64), float(step)) if weight is None else weight},
-                         optimizer={}, grad_scaler={}, position=TrainingPosition(step=step),
-                         task=TaskRecord("test", "test", {}), config={}, world_size=1, rng=[], versions={})
+    """A minimal training state: one weight tensor (filled with the step), at ``step``, this rank's generators."""
+    parts = {"model": {"weight": torch.full((64, 64), float(step)) if weight is None else weight}, "optimizer": {},
+             "grad_scaler": {}, "position": TrainingPosition(step=step).to_dict(),
+             "task": asdict(TaskRecord("test", "test", {})), "config": {}, "rng": capture_rng()}
+    return TrainingState(parts, 1, {}, dict.fromkeys(parts, 1), per_rank=("rng",))

@@ -159,7 +159,7 @@ def test_a_save_leaves_exactly_one_committed_folder_whose_manifest_describes_it(
     assert loaded.manifest["step"] == 5
     assert loaded.manifest["files"]["state.pt"]["bytes"] == (tmp_path / "step-00000005" / "state.pt").stat().st_size
     assert torch.equal(loaded.state.model["weight"], state_at(5).model["weight"])
-    assert set(loaded.state.rng[0]) >= {"python", "numpy", "torch"} and "torch" in loaded.state.versions
+    assert set(loaded.state.parts["rng"][0]) >= {"python", "numpy", "torch"} and "torch" in loaded.state.versions
 
 
 def test_a_checkpoint_moved_aside_for_replacement_is_put_back_when_the_save_crashed(manager_for, tmp_path):
@@ -297,7 +297,7 @@ def test_async_save_copies_the_parameters_in_the_background_and_before_update_wa
     weight, running_mean = torch.zeros(512, 512), torch.zeros(8)
     state = state_at(1, weight)
     state.model["running_mean"] = running_mean
-    manager.save(state, unchanged_until_update=frozenset({"weight"}))
+    manager.save(state, changed_by_step_only=lambda path: path == "/model/weight")
     running_mean.add_(1.0)  # a buffer: the next forward pass changes it, so save() had copied it already
     manager.before_update()
     weight.add_(1.0)  # the optimizer step, once before_update() returned

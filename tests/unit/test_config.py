@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from trainer.cli import build_parser, config_from_values, parse_config
+from trainer.cli import build_parser, config_from_values, layout, parse_config
 from trainer.config import SECTIONS
 from trainer.errors import ConfigError, TaskError
 from trainer.gradsync import SYNC_METHODS, DDPSync
@@ -18,10 +18,10 @@ from trainer.task import Task
 
 
 def test_every_config_field_and_task_option_has_a_flag_with_help():
-    config, spec = parse_config([])
-    parser = build_parser(spec)
+    _, task = parse_config([])
+    parser = build_parser(task.spec)
     flags = {option for action in parser._actions for option in action.option_strings}
-    for kind in [*SECTIONS.values(), spec.options_type]:
+    for kind in [*SECTIONS.values(), task.spec.options_type]:
         for field in fields_of(kind):
             assert "--" + field.name.replace("_", "-") in flags
     assert all(action.help for action in parser._actions)
@@ -31,16 +31,16 @@ def test_flags_override_yaml_which_overrides_a_scripts_settings_which_override_d
     file = tmp_path / "c.yaml"
     file.write_text("optim:\n  lr: 0.01\n  optimizer: sgd\nepochs: 5\nbatch-size: 32\ntask:\n  model: lenet\n")
     settings = {"epochs": 7, "lr": 0.3, "seed": 4}
-    config, _ = parse_config(["--config", str(file), "--lr", "0.2", "--sync-bn"], settings=settings)
+    config, task = parse_config(["--config", str(file), "--lr", "0.2", "--sync-bn"], settings=settings)
     assert config.optim.lr == 0.2 and config.optim.optimizer == "sgd"
     assert config.train.epochs == 5 and config.train.batch_size == 32 and config.model.sync_bn
-    assert config.train.seed == 4 and config.task_options.model == "lenet"
+    assert config.train.seed == 4 and task.options.model == "lenet"
 
 
 def test_config_round_trips_through_its_yaml_layout():
-    config, spec = parse_config(["--model", "lenet", "--keep-last", "4", "--dataset", "synthetic"])
-    assert config_from_values(spec, config.to_dict()) == config
-    assert config.to_dict()["task"] == {"name": "classification", **config.to_dict()["task"], "model": "lenet"}
+    config, task = parse_config(["--model", "lenet", "--keep-last", "4", "--dataset", "synthetic"])
+    assert config_from_values(task.spec, layout(config, task)) == (config, task)
+    assert layout(config, task)["task"] == {**task.options_dict(), "name": "classification", "model": "lenet"}
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -76,9 +76,9 @@ def test_yaml_errors_name_the_key(tmp_path):
 def test_a_name_added_to_a_registry_alone_is_accepted_listed_and_built(monkeypatch):
     monkeypatch.setitem(MODELS._entries, "tiny", Entry("tiny", lambda c, s, n, p: ConvNet(c, s, n), "a test model"))
     monkeypatch.setitem(SYNC_METHODS._entries, "ddp2", Entry("ddp2", DDPSync, "a second name"))
-    config, spec = parse_config(["--model", "tiny", "--sync", "ddp2"])
-    assert (config.task_options.model, config.train.sync) == ("tiny", "ddp2")
-    help_text = build_parser(spec).format_help()
+    config, task = parse_config(["--model", "tiny", "--sync", "ddp2"])
+    assert (task.options.model, config.train.sync) == ("tiny", "ddp2")
+    help_text = build_parser(task.spec).format_help()
     assert "tiny" in help_text and "ddp2" in help_text
 
 
@@ -102,10 +102,10 @@ class WindowTask(Task[WindowOptions]):
 def test_a_tasks_options_are_flags_and_yaml_keys_of_their_own_section(tmp_path):
     file = tmp_path / "c.yaml"
     file.write_text("task:\n  window: 8\nnoise: 0.5\nepochs: 2\n")
-    config, spec = parse_config(["--config", str(file), "--window", "16"], task=WindowTask)
-    assert (config.task_options.window, config.task_options.noise, config.train.epochs) == (16, 0.5, 2)
-    assert spec.name == "window" and config.task.endswith(":WindowTask")
-    assert "--window" in build_parser(spec, task_fixed=True).format_help()
+    config, task = parse_config(["--config", str(file), "--window", "16"], task=WindowTask)
+    assert (task.options.window, task.options.noise, config.train.epochs) == (16, 0.5, 2)
+    assert task.name == "window" and task.source.endswith(":WindowTask")
+    assert "--window" in build_parser(task.spec, task_fixed=True).format_help()
     with pytest.raises(ConfigError, match="unknown config key 'model'"):
         parse_config([], task=WindowTask, settings={"model": "lenet"})  # the built-in task's, not this one's
 

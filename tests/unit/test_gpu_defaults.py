@@ -51,9 +51,9 @@ def test_channels_last_reaches_the_model_and_every_4d_input_of_a_nested_batch():
 
 
 def test_a_run_with_channels_last_on_builds_an_nhwc_model_and_feeds_it_nhwc_batches(tmp_path):
-    config, spec = parse_config(["--dataset", "synthetic", "--synthetic-train-size", "16", "--synthetic-test-size",
+    config, task = parse_config(["--dataset", "synthetic", "--synthetic-train-size", "16", "--synthetic-test-size",
                                  "8", "--batch-size", "4", "--channels-last", "on", "--output-dir", str(tmp_path)])
-    setup = build_training(config, spec, ONE_PROCESS)
+    setup = build_training(config, task, ONE_PROCESS)
     convolutions = [module for module in setup.model.modules() if isinstance(module, nn.Conv2d)]
     assert convolutions and all(conv.weight.is_contiguous(memory_format=torch.channels_last) for conv in convolutions)
     inputs, _ = next(iter(setup.train_loader))
@@ -105,9 +105,9 @@ VIEW_TASK = ["--task", "tests.support.tasks:ViewTask", "--batch-size", "4", "--n
 
 
 def test_a_model_that_cannot_run_channels_last_stops_with_one_line_when_asked_for_it(tmp_path):
-    config, spec = parse_config([*VIEW_TASK, "--channels-last", "on", "--output-dir", str(tmp_path)])
+    config, task = parse_config([*VIEW_TASK, "--channels-last", "on", "--output-dir", str(tmp_path)])
     with pytest.raises(TaskError) as raised:
-        build_training(config, spec, ONE_PROCESS)
+        build_training(config, task, ONE_PROCESS)
     message = str(raised.value)
     assert "--channels-last on: the model's forward pass fails in channels-last memory layout" in message
     assert "view size is not compatible" in message and "pass --channels-last off" in message
@@ -115,9 +115,9 @@ def test_a_model_that_cannot_run_channels_last_stops_with_one_line_when_asked_fo
 
 def test_a_model_that_cannot_run_channels_last_falls_back_under_auto_with_a_warning(tmp_path, caplog):
     """auto chooses channels-last for a conv model on CUDA; here a checkpoint's layout makes it choose so on CPU."""
-    config, spec = parse_config([*VIEW_TASK, "--output-dir", str(tmp_path)])
+    config, task = parse_config([*VIEW_TASK, "--output-dir", str(tmp_path)])
     with caplog.at_level(logging.WARNING, logger="trainer"):
-        setup = build_training(config, spec, ONE_PROCESS, trained_channels_last=True)
+        setup = build_training(config, task, ONE_PROCESS, trained_channels_last=True)
     assert setup.tuning.channels_last is False
     assert all(parameter.is_contiguous() for parameter in setup.model.parameters())
     assert "fails in channels-last memory layout" in caplog.text and "training in the default layout" in caplog.text

@@ -28,10 +28,10 @@ def main() -> int:
     override = os.environ.get(f"DATA_TEST_DATA_DIR_RANK_{identity.rank}")
     if override:
         argv = [*argv, "--data-dir", override]
-    config, _ = parse_config(argv)
+    config, task = parse_config(argv)
     try:
         with process_group(config.dist, identity, torch.device("cpu")) as runtime:
-            train, test, info = load_datasets(config.task_options, runtime)
+            train, test, info = load_datasets(task.options, runtime)
     except UserError as error:
         say(f"{prefix} error: {error}")
         return error.exit_code

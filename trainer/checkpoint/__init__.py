@@ -1,10 +1,11 @@
-"""Checkpoints: crash-consistent storage, one typed schema of the training state, resume."""
+"""Checkpoints: the training state as named parts, crash-consistent storage, the folder's lease, resume."""
 
 from trainer.checkpoint.manager import CheckpointManager, InvalidCheckpoint, LoadedCheckpoint, Monitor, verify
-from trainer.checkpoint.schema import FORMAT, TaskRecord, Trainable, TrainingState, capture, restore
+from trainer.checkpoint.parts import PartKind, RestoreContext, StatePart, StateParts, add_run_parts
+from trainer.checkpoint.schema import FORMAT, TaskRecord, TrainingState
 from trainer.checkpoint.storage import CheckpointStorage, open_storage
 from trainer.position import TrainingPosition
 
 __all__ = ["FORMAT", "CheckpointManager", "CheckpointStorage", "InvalidCheckpoint", "LoadedCheckpoint", "Monitor",
-           "TaskRecord", "Trainable", "TrainingPosition", "TrainingState", "capture", "open_storage", "restore",
-           "verify"]
+           "PartKind", "RestoreContext", "StatePart", "StateParts", "TaskRecord", "TrainingPosition", "TrainingState",
+           "add_run_parts", "open_storage", "verify"]

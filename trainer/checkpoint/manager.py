@@ -32,7 +32,6 @@ from trainer.checkpoint.storage import (
 from trainer.config import CheckpointConfig
 from trainer.distributed import Runtime, broadcast_from_main, gather_to_main
 from trainer.errors import CheckpointError, StorageStalled
-from trainer.rng import capture_rng
 
 STATE_FILE = "state.pt"
 # Ours are well under 4 KB; a larger one is not read (it could be anything, of any size).
@@ -235,28 +234,29 @@ class CheckpointManager:
 
     # -- save ----------------------------------------------------------------------------------------------
     def save(self, state: TrainingState, metrics: dict[str, float] | None = None,
-             unchanged_until_update: frozenset[str] = frozenset()) -> None:
+             changed_by_step_only: Callable[[str], bool] = lambda path: False) -> None:
         """Called by every rank at the same step; rank 0 writes, the others learn whether it worked.
 
-        Each rank contributes its own RNG state (they differ per rank). Synchronous saves return after
-        the commit; asynchronous ones after the snapshot, and the next save or ``finish`` collects the
-        outcome. ``metrics``: the evaluation's, recorded in the manifest (--keep-best reads them there).
+        The state's per-rank parts (the random generators) are gathered from every rank. Synchronous saves
+        return after the commit; asynchronous ones after the snapshot, and the next save or ``finish`` collects
+        the outcome. ``metrics``: the evaluation's, recorded in the manifest (--keep-best reads them there).
 
-        ``unchanged_until_update``: the model entries that nothing changes before the next optimizer step
-        (its parameters; buffers such as BatchNorm's statistics change in the forward pass). An
-        asynchronous save copies those, and the optimizer's state, in its background thread while training
-        computes the next gradients; ``before_update`` waits for that copy.
+        ``changed_by_step_only``: for a path ``/<part>/...`` of the state, whether nothing but the next optimizer
+        step changes it (the parameters, the optimizer's state; trainer.checkpoint.parts). An asynchronous save
+        copies those in its background thread while training computes the next gradients; ``before_update``
+        waits for that copy.
         """
         self._raise_everywhere(*self._wait_for_writer())
-        rng_by_rank = gather_to_main(capture_rng(), self.runtime)
+        gathered = {name: gather_to_main(state.parts[name], self.runtime) for name in state.per_rank}
         error, stalled = None, False
         if self.runtime.is_main:
-            state.rng, state.versions = rng_by_rank or [], library_versions()
+            state.parts.update({name: values or [] for name, values in gathered.items()})
+            state.versions = library_versions()
             raw, described = state.to_dict(), state.manifest(metrics)
             name = checkpoint_name(state.position.step)
             later: list[tuple[torch.Tensor, torch.Tensor]] = []
             if self.config.async_checkpoint:
-                raw = self._snapshot(raw, "", _deferrable(unchanged_until_update), later)
+                raw = self._snapshot(raw, "", changed_by_step_only, later)
             # A synchronous save is written by the same thread, and waited for at once: either way a file
             # system that never answers cannot hold the job past --checkpoint-timeout-s.
             self._start_writer(name, raw, described, later)
@@ -432,12 +432,6 @@ class CheckpointManager:
             if self.runtime.is_main:
                 raise kind(error)
             raise kind(f"rank 0 could not write the checkpoint: {error}")
-
-
-def _deferrable(model_entries: frozenset[str]) -> Callable[[str], bool]:
-    """Which snapshot paths only the optimizer step changes: the given model entries, the optimizer's state."""
-    paths = {f"/model/{name}" for name in model_entries}
-    return lambda path: path in paths or path.startswith("/optimizer/state/")
 
 
 def save_state(state: dict[str, Any], handle: Any) -> None:

@@ -1,13 +1,14 @@
-"""What a checkpoint holds: one typed schema, captured and restored here as matching pairs.
+"""What a checkpoint file holds: the named parts (trainer.checkpoint.parts) and a header, and the formats.
 
-Adding a piece of state is one edit in this file: a field of ``TrainingState``, its line in
-``capture`` and its line in ``restore`` (and, if it is a live object, a field of ``Trainable``).
+The parts are given by the components that own them; this module knows only the container, the parts every
+checkpoint must have to be described (its position and task), and the history of the file's format.
 Everything is stored as plain types and tensors, so checkpoints load with ``weights_only=True``.
 
-Format history (the manifest's "format"):
+Format history (the manifest's "format"; each part's layout has its own version, "part_versions"):
   2  the first release: the config's model and dataset names identify the run; "scaler", "scheduler"
   3  the task's identity and options; "grad_scaler"; no learning-rate "scheduler" (it is a function of
-     samples seen) nor "best_accuracy" (the manifests' metrics serve --keep-best)
+     samples seen) nor "best_accuracy" (the manifests' metrics serve --keep-best). Since the named parts,
+     "part_versions" too (absent: every part at version 1)
 Older formats are migrated when read; a format this trainer does not know is refused, never skipped.
 """
 
@@ -15,20 +16,22 @@ from __future__ import annotations
 
 import functools
 import platform
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 import trainer
 from trainer.position import TrainingPosition
-from trainer.rng import RngState, restore_rng, seed_after_resize
 
 FORMAT = 3
 READABLE = (2, 3)
+
+
+# What the manifest and the resume checks read before any part is restored.
+REQUIRED_PARTS = ("position", "task")
 
 
 class SchemaError(Exception):
@@ -44,82 +47,74 @@ class TaskRecord:
     options: dict[str, Any]
 
 
-@dataclass
-class Trainable:
-    """The live objects a checkpoint captures and restores (model unwrapped from DDP or compile)."""
-
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    grad_scaler: torch.amp.GradScaler
-    position: TrainingPosition
+# The checkpoint's own entries beside the parts (trainer.checkpoint.parts), written by the checkpoint manager.
+HEADER = ("world_size", "versions", "part_versions")
 
 
 @dataclass
 class TrainingState:
-    model: dict[str, Any]
-    optimizer: dict[str, Any]
-    grad_scaler: dict[str, Any]
-    position: TrainingPosition
-    task: TaskRecord
-    config: dict[str, Any]  # the trainer's sections as Config.to_dict() writes them, less the task
+    """A checkpoint's content: every part's value by name, and the header."""
+
+    parts: dict[str, Any]
     world_size: int
-    rng: list[RngState]  # one per rank, in rank order (gathered by the checkpoint manager)
-    versions: dict[str, str]
+    versions: dict[str, str]  # of the libraries that wrote it
+    part_versions: dict[str, int]  # of each part's layout (format 3 wrote none: every part it holds is version 1)
+    # Parts captured on every rank, which the checkpoint manager gathers into a list in rank order (not saved).
+    per_rank: tuple[str, ...] = ()
+
+    def part_version(self, name: str) -> int:
+        """The version of a part as saved; 0 when the checkpoint lacks it."""
+        if name not in self.parts:
+            return 0
+        return int(self.part_versions.get(name, 1))
+
+    # Typed views of the parts that the checkpoint manager, the resume checks and tools read.
+    @property
+    def position(self) -> TrainingPosition:
+        return TrainingPosition.from_dict(self.parts["position"])
+
+    @property
+    def task(self) -> TaskRecord:
+        return TaskRecord(**self.parts["task"])
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.parts["config"]
+
+    @property
+    def model(self) -> dict[str, Any]:
+        return self.parts["model"]
 
     def to_dict(self) -> dict[str, Any]:
-        raw = {field.name: getattr(self, field.name) for field in fields(self)}
-        raw["position"] = self.position.to_dict()
-        raw["task"] = asdict(self.task)
-        return raw
+        return {**self.parts, "world_size": self.world_size, "versions": self.versions,
+                "part_versions": self.part_versions}
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], format_version: int) -> TrainingState:
         if format_version == 2:
             raw = _from_format_2(raw)
-        missing = [field.name for field in fields(cls) if field.name not in raw]
+        missing = [name for name in (*REQUIRED_PARTS, "world_size") if name not in raw]
         if missing:
             raise SchemaError(f"state.pt lacks {', '.join(missing)}")
-        values = {field.name: raw[field.name] for field in fields(cls)}
-        values["position"] = TrainingPosition.from_dict(raw["position"])
-        values["task"] = TaskRecord(**raw["task"])
-        return cls(**values)
+        try:
+            parts = {name: value for name, value in raw.items() if name not in HEADER}
+            TrainingPosition.from_dict(parts["position"])
+            TaskRecord(**parts["task"])
+            return cls(parts, int(raw["world_size"]), dict(raw.get("versions", {})),
+                       {str(name): int(version) for name, version in raw.get("part_versions", {}).items()})
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise SchemaError(f"state.pt does not have the layout of format {format_version} "
+                              f"({type(error).__name__}: {error})") from None
 
     def manifest(self, metrics: dict[str, float] | None) -> dict[str, Any]:
         """What the manifest says of this state, readable without loading it."""
-        described: dict[str, Any] = {"step": self.position.step, "epoch": self.position.epoch,
-                                     "samples_in_epoch": self.position.samples_in_epoch,
+        position = self.position
+        described: dict[str, Any] = {"step": position.step, "epoch": position.epoch,
+                                     "samples_in_epoch": position.samples_in_epoch,
                                      "world_size": self.world_size, "task": self.task.name}
         if metrics is not None:
             described["metrics"] = metrics
         return described
-
-
-def capture(parts: Trainable, task: TaskRecord, config: dict[str, Any], world_size: int) -> TrainingState:
-    """This rank's state; the checkpoint manager fills in ``rng`` (every rank's) and ``versions``."""
-    return TrainingState(
-        model=parts.model.state_dict(),
-        optimizer=parts.optimizer.state_dict(),
-        grad_scaler=parts.grad_scaler.state_dict(),
-        position=TrainingPosition(**parts.position.to_dict()),
-        task=task,
-        config=config,
-        world_size=world_size,
-        rng=[],
-        versions={},
-    )
-
-
-def restore(state: TrainingState, parts: Trainable, rank: int, world_size: int, seed: int) -> None:
-    """Load the state into the live objects (the caller checked that it belongs to this run)."""
-    parts.model.load_state_dict(state.model)
-    parts.optimizer.load_state_dict(state.optimizer)
-    parts.grad_scaler.load_state_dict(state.grad_scaler)
-    for field in fields(TrainingPosition):
-        setattr(parts.position, field.name, getattr(state.position, field.name))
-    if state.world_size == world_size:
-        restore_rng(state.rng[rank])
-    else:
-        seed_after_resize(seed, state.position.step, rank)
 
 
 def library_versions() -> dict[str, str]:
