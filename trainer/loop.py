@@ -46,8 +46,7 @@ class Trainer:
         # Stored redacted, as every saved config (trainer.redact); trainer.resume compares it so.
         self.task_record = TaskRecord(setup.task.name, setup.task.source, redacted(setup.task.options_dict()))
         self.state = setup.state
-        add_run_parts(self.state, self.position, self.task_record,
-                      redacted({name: value for name, value in config.to_dict().items() if name != "task"}))
+        add_run_parts(self.state, self.position, self.task_record, redacted(config.to_dict()))
         self.resumed_from: str | None = None
         self.samples_at_start = 0  # where this run started (its throughput counts from there)
         self.output_dir = Path(config.output.output_dir)

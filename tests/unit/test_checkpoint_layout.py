@@ -45,9 +45,10 @@ def test_the_saved_layout_is_the_recorded_one_or_each_change_has_a_version_bump_
 def test_the_check_catches_a_field_added_without_a_bump_and_a_new_part_without_an_upgrade():
     """The data-losing recipe of before: a field added to the position (or a new part) and nothing else."""
     golden = recorded()
-    grown = trainer_parts()
-    original = grown["position"]
-    grown._parts["position"] = StatePart("position", lambda: {**original.capture(), "best": 0.0}, original.restore)
+    grown = StateParts()
+    for part in trainer_parts():
+        grown.add(part if part.name != "position" else StatePart(
+            "position", lambda part=part: {**part.capture(), "best": 0.0}, part.restore))
     assert layout_problems(grown, golden) == [
         "part 'position' is saved in another layout at the same version 1: bump its version and give it an upgrade "
         "from version 1"]

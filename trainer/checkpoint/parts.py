@@ -79,9 +79,6 @@ class StateParts:
     def __iter__(self) -> Iterator[StatePart]:
         return iter(self._parts.values())
 
-    def __getitem__(self, name: str) -> StatePart:
-        return self._parts[name]
-
     def capture(self, world_size: int) -> TrainingState:
         """This rank's state; the checkpoint manager gathers the per-rank parts and adds the library versions."""
         return TrainingState({part.name: part.capture() for part in self}, world_size, {},

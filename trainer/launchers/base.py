@@ -101,9 +101,8 @@ class Launcher(ABC):
                                  f"local ranks run from 0 to {local_world_size - 1}")
         if local_world_size > world_size:
             raise LaunchEnvError(f"LOCAL_WORLD_SIZE={local_world_size} exceeds WORLD_SIZE={world_size}")
-        job, named = self.job(env, *master)
-        if env.job_id or env.get("DDP_JOB_ID"):
-            job, named = env.job_id.strip() or env.get("DDP_JOB_ID"), True
+        given = env.job_id.strip() or env.get("DDP_JOB_ID")  # --job-id, else DDP_JOB_ID: the user's name wins
+        job, named = (given, True) if given else self.job(env, *master)
         return DistIdentity(rank, local_rank, world_size, local_world_size, node_rank, num_nodes, master[0],
                             master[1], self.name, env.hostname, restart_count, job=job, job_named=named, **extra)
 
