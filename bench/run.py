@@ -27,6 +27,7 @@ from bench.figures import (
     overhead,
     peers,
     scaling,
+    sharded,
     sync_bn,
     sync_methods,
     time_to_accuracy,
@@ -51,6 +52,7 @@ FIGURES: dict[str, tuple[str, Callable[[Context], FigureResult]]] = {
     "launch": (launch_latency.TITLE, launch_latency.run),
     "imagefolder": (image_folder.TITLE, image_folder.run),
     "peers": (peers.TITLE, peers.run),
+    "sharded": (sharded.TITLE, sharded.run),
 }
 
 

@@ -23,12 +23,14 @@ PUBLIC_MODULES = (
     "trainer.models",
     "trainer.data",
     "trainer.gradsync",
+    "trainer.sharding",
     "trainer.syncbn",
     "trainer.sampler",
     "trainer.build",
     "trainer.checkpoint",
     "trainer.tasks",
     "trainer.doctor",
+    "trainer.export",
 )
 __all__ = ["PUBLIC_MODULES", "Task", "TaskData", "__version__", "run"]
 

@@ -42,6 +42,7 @@ from trainer.errors import (
     EXIT_OK,
     EXIT_PEER_LOST,
     EXIT_PREEMPTED,
+    CheckpointError,
     OutputError,
     PeerLost,
     Preempted,
@@ -153,7 +154,8 @@ def _prepare_and_fit(config: Config, task: RunTask, runtime: Runtime, checkpoint
     trainer = Trainer(config, runtime, setup, checkpoints, watcher, log)
     try:
         if loaded is not None:
-            trainer.restore(loaded)
+            # Agreed: under --sync fsdp each rank reads its own shards, and may be the only one to fail.
+            agreed(runtime, lambda: trainer.restore(loaded), CheckpointError)
         # Once the run is known to go ahead: a refused resume leaves the last one's.
         agreed(runtime, lambda: write_config(Path(config.output.output_dir), shown_config) if runtime.is_main
                else None, OutputError)

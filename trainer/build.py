@@ -15,18 +15,20 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from trainer.checkpoint.parts import PartKind, RestoreContext, StatePart, StateParts
+from trainer.checkpoint.shards import fit, is_marker
 from trainer.config import Config
 from trainer.distributed import Runtime, agreed
 from trainer.errors import TaskError, described
 from trainer.evaluation import MetricSet
 from trainer.gpu import DeviceTuning, choose_tuning
-from trainer.gradsync import GradSync, build_grad_sync, unwrap
+from trainer.gradsync import GradSync, SyncOptions, build_grad_sync, unwrap
 from trainer.items import checked_collate
 from trainer.optimizers import build_optimizer
 from trainer.preemption import ignore_stop_signals_in_worker
 from trainer.rng import RngState, capture_rng, isolated, restore_rng, seed_after_resize, seed_everything
 from trainer.sampler import EVAL_EPOCH, ResumableDistributedSampler, SeededItems, ShardSampler
 from trainer.schedule import LRSchedule
+from trainer.sharding import initialise_on_device
 from trainer.syncbn import convert_sync_batchnorm
 from trainer.task import RunTask, TaskContext, TaskData, call_task, check_metrics, to_device
 
@@ -148,14 +150,20 @@ def build_training(config: Config, task: RunTask, runtime: Runtime,
     # The same seed on every rank gives every rank the same initial weights; then each rank's own
     # stream for anything random during training (dropout).
     seed_everything(seed)
-    model = agreed(runtime, lambda: _task_model(task, instance, data), TaskError)
+    owner = f"task {task.describe()}"
+    sync = build_grad_sync(config.train.sync, runtime, SyncOptions(
+        config.optim.precision, getattr(instance, "shard_units", None), owner))
+    meta = sync.sharded and (config.model.meta_init == "on" or (config.model.meta_init == "auto"
+                                                                and hasattr(instance, "init_weights")))
+    model = agreed(runtime, lambda: _task_model(task, instance, data, meta), TaskError)
     if config.model.sync_bn and identity.world_size > 1:
         model = convert_sync_batchnorm(model, device)
         layers = sum(isinstance(module, _BatchNorm) for module in model.modules())
         if identity.is_main:
             log.info("--sync-bn: %d BatchNorm layer(s) of the model synchronised across %d ranks", layers,
                      identity.world_size)
-    model = model.to(device)
+    if not meta:
+        model = model.to(device)
     tuning = choose_tuning(config.model.channels_last, config.model.cudnn_benchmark, device, model,
                            trained_channels_last)
     if trained_channels_last is not None and tuning.channels_last != trained_channels_last and identity.is_main:
@@ -165,15 +173,23 @@ def build_training(config: Config, task: RunTask, runtime: Runtime,
                     config.model.channels_last, "on" if trained_channels_last else "off",
                     "on" if tuning.channels_last else "off")
     model = tuning.apply(model)
-    if tuning.channels_last:
+    if tuning.channels_last and not meta:  # a model without weights cannot try a forward pass
         tuning = agreed(runtime, lambda: _layout_that_runs(config, task, model, tuning, train_loader, device),
                         TaskError)
     if device.type == "cuda" and identity.is_main:
         log.info("GPU settings: %s", tuning.describe())
     seed_everything(seed + identity.rank)
 
-    sync = build_grad_sync(config.train.sync, runtime)
-    wrapped = sync.wrap(model)
+    wrapped = agreed(runtime, lambda: sync.wrap(model), TaskError)
+    if meta:
+        with isolated():  # the weights a plain build draws right after seed_everything(seed)
+            seed_everything(seed)
+            held = agreed(runtime, lambda: initialise_on_device(model, device, getattr(instance, "init_weights", None),
+                                                                owner), TaskError)
+        if identity.is_main:
+            log.info("--meta-init: model built on the meta device; rank 0 allocated %.1f MB of its shards", held / 1e6)
+    if sync.sharded and identity.is_main:
+        log.info("--sync %s: %s", config.train.sync, sync.describe())
     if config.model.compile:
         wrapped = torch.compile(wrapped)
 
@@ -198,16 +214,47 @@ def state_parts(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torc
     the grad scaler and the random generators."""
     parameters = frozenset(f"/{name}" for name, _ in model.named_parameters())
     parts = StateParts()
+
+    # A sharded run's tensors are fitted to this run's shards, whatever world size (or a plain run) saved them
+    # (trainer.checkpoint.shards); an unsharded one's pass through unchanged.
+    def restore_model(saved: dict[str, Any], context: RestoreContext) -> None:
+        model.load_state_dict(fit(saved, model.state_dict(), context.shards))
+
+    def restore_optimizer(saved: dict[str, Any], context: RestoreContext) -> None:
+        fitted = fit(saved, _optimizer_template(saved, optimizer), context.shards)
+        for group, now in zip(fitted.get("param_groups", []), optimizer.param_groups, strict=False):
+            if group.get("fused") and not now.get("fused"):
+                group["fused"] = now.get("fused")  # a fused kernel this run cannot use on its sharded parameters
+        optimizer.load_state_dict(fitted)
+
     # Only the optimizer step changes the parameters (buffers such as BatchNorm's statistics change in the
     # forward pass) and the optimizer's state: an asynchronous save copies those during the next step.
-    parts.add(StatePart("model", model.state_dict, lambda saved, _: model.load_state_dict(saved), opaque=True,
+    parts.add(StatePart("model", model.state_dict, restore_model, opaque=True,
                         changed_by_step_only=parameters.__contains__))
-    parts.add(StatePart("optimizer", optimizer.state_dict, lambda saved, _: optimizer.load_state_dict(saved),
+    parts.add(StatePart("optimizer", optimizer.state_dict, restore_optimizer,
                         opaque=True, changed_by_step_only=lambda path: path.startswith("/state/")))
     parts.add(StatePart("grad_scaler", scaler.state_dict, lambda saved, _: scaler.load_state_dict(saved),
                         opaque=True))
     parts.add(rng_part())
     return parts
+
+
+def _optimizer_template(saved: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Where this run holds each saved optimizer tensor: a per-parameter state tensor of its parameter's shape
+    (Adam's moments, SGD's momentum) is laid out, and sharded, like that parameter."""
+    parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+    state = saved.get("state") if isinstance(saved, dict) else None
+    if not isinstance(state, dict):
+        return {}
+
+    def shaped_like(value: Any, parameter: torch.Tensor) -> bool:
+        shape = value["shape"] if is_marker(value) else getattr(value, "shape", None)
+        return shape is not None and list(shape) == list(parameter.shape)
+
+    return {"state": {index: {key: parameters[index] for key, value in entry.items()
+                              if shaped_like(value, parameters[index])}
+                      for index, entry in state.items()
+                      if isinstance(index, int) and 0 <= index < len(parameters) and isinstance(entry, dict)}}
 
 
 def rng_part() -> StatePart:
@@ -299,8 +346,10 @@ def _task_data(task: RunTask, instance: Any, context: TaskContext) -> TaskData:
     return data
 
 
-def _task_model(task: RunTask, instance: Any, data: TaskData) -> nn.Module:
-    model = call_task(task, "model()", lambda: instance.model(data))
+def _task_model(task: RunTask, instance: Any, data: TaskData, meta: bool = False) -> nn.Module:
+    """The task's model; on the meta device (no memory behind its tensors) for --meta-init."""
+    with torch.device("meta") if meta else nullcontext():
+        model = call_task(task, "model()", lambda: instance.model(data))
     if not isinstance(model, nn.Module):
         raise TaskError(f"task {task.describe()}: model() returned a {type(model).__name__}, not a torch.nn.Module")
     if not any(parameter.requires_grad for parameter in model.parameters()):

@@ -46,10 +46,14 @@ class ModelConfig:
                                         "model with 2-D convolutions), on, off", ("auto", "on", "off"))
     cudnn_benchmark: str = option("auto", "cuDNN's autotuner (torch.backends.cudnn.benchmark): auto (on with CUDA), "
                                           "on, off (for bitwise repeatable GPU runs)", ("auto", "on", "off"))
+    meta_init: str = option("auto", "with --sync fsdp/hsdp, build the model on the meta device and allocate only "
+                                    "this rank's shards: auto (when the task has init_weights), on, off",
+                            ("auto", "on", "off"))
 
     def __post_init__(self) -> None:
         check_choice(self.channels_last, "channels_last", ("auto", "on", "off"))
         check_choice(self.cudnn_benchmark, "cudnn_benchmark", ("auto", "on", "off"))
+        check_choice(self.meta_init, "meta_init", ("auto", "on", "off"))
 
 
 @dataclass
@@ -200,6 +204,9 @@ class Config:
         if self.model.sync_bn and SYNC_METHODS.get(self.train.sync).one_process:
             raise ConfigError(f"--sync {self.train.sync} runs one process; --sync-bn needs several ranks "
                               f"(use --sync ddp)")
+        if self.model.meta_init == "on" and not SYNC_METHODS.get(self.train.sync).sharded:
+            raise ConfigError(f"--meta-init on builds the model in shards, which --sync {self.train.sync} does not "
+                              f"keep; use --sync fsdp or hsdp, or --meta-init off")
 
     @property
     def checkpoint_location(self) -> str:

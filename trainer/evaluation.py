@@ -98,13 +98,21 @@ def _all_reduce_states(metrics: list[Metric]) -> None:
 
 def evaluate(model: nn.Module, loader: DataLoader[Any], task: Any, metrics: MetricSet, runtime: Runtime,
              autocast: Callable[[], AbstractContextManager[object]],
-             inputs_on_device: Callable[[Any], Any] | None = None) -> dict[str, float]:
+             inputs_on_device: Callable[[Any], Any] | None = None, lockstep: bool = False) -> dict[str, float]:
     """Every evaluation sample counted exactly once: each rank scores its own shard (no padding), then the
     states are reduced. Ranks may have different batch counts, so no collective runs inside the loop, and
-    the plain module is used (DDP's forward would broadcast buffers)."""
+    the plain module is used (DDP's forward would broadcast buffers).
+
+    ``lockstep``: the model's forward pass is itself collective (a sharded model gathers its parameters), so
+    every rank runs as many as the rank with the most batches; the extra ones run on a batch already scored
+    (or, on a rank with none, the dataset's first item) and count in no metric."""
     broadcast_buffers(model, runtime)
     plain = unwrap(model)
     plain.eval()
+    spare = None
+    batches = 0
+    # Agreed before the first forward: a rank still in its own batches would wait in a gather meanwhile.
+    most = _most_batches(len(loader), runtime) if lockstep else 0
     with torch.no_grad():
         for inputs, targets in loader:
             inputs = inputs_on_device(inputs) if inputs_on_device else to_device(inputs, runtime.device)
@@ -113,8 +121,24 @@ def evaluate(model: nn.Module, loader: DataLoader[Any], task: Any, metrics: Metr
                 outputs = plain(inputs)
                 loss = task.loss(outputs, targets)
             metrics.update(loss.detach(), detached(outputs), targets)
+            spare, batches = inputs, batches + 1
+        if lockstep:
+            for _ in range(most - batches):
+                if spare is None:
+                    first = loader.collate_fn(loader.dataset.__getitems__([0]))  # type: ignore[attr-defined]
+                    spare = inputs_on_device(first[0]) if inputs_on_device else to_device(first[0], runtime.device)
+                with autocast():
+                    plain(spare)
     plain.train()
     return metrics.compute(runtime)
+
+
+def _most_batches(batches: int, runtime: Runtime) -> int:
+    if runtime.identity.world_size == 1:
+        return batches
+    count = torch.tensor([batches], dtype=torch.int64)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=runtime.control)
+    return int(count.item())
 
 
 def detached(outputs: Any) -> Any:

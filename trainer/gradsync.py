@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,7 +22,17 @@ from trainer.errors import ConfigError
 from trainer.rng import capture_rng, restore_rng
 from trainer.seams import SYNC_METHODS
 
-__all__ = ["SYNC_METHODS", "GradSync", "build_grad_sync", "unwrap"]
+__all__ = ["SYNC_METHODS", "GradSync", "SyncOptions", "build_grad_sync", "unwrap"]
+
+
+@dataclass(frozen=True)
+class SyncOptions:
+    """What a method may need beyond the process group: the run's precision (sharded methods gather parameters
+    in it), and the task's own choice of sharding units (``shard_units(model)``, None: the method's rule)."""
+
+    precision: str = "fp32"
+    units: Callable[[nn.Module], Any] | None = None
+    owner: str = "the task"  # who chose the units, for messages
 
 
 class GradSync:
@@ -29,9 +41,16 @@ class GradSync:
 
     name = "none"
     one_process = False  # all the node's devices in one process: nothing for SyncBatchNorm to synchronise
+    # Parameters sharded across ranks (trainer.sharding): every forward is collective, so every rank runs the
+    # same number of them, and checkpoints are written by every rank.
+    sharded = False
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, options: SyncOptions | None = None) -> None:
         self.runtime = runtime
+        self.options = options or SyncOptions()
+
+    def describe(self) -> str:
+        return ""
 
     def wrap(self, model: nn.Module) -> nn.Module:
         broadcast_state(model, self.runtime)
@@ -53,8 +72,8 @@ class DDPSync(GradSync):
 
     name = "ddp"
 
-    def __init__(self, runtime: Runtime, bucket_mb: float = 25.0) -> None:
-        super().__init__(runtime)
+    def __init__(self, runtime: Runtime, options: SyncOptions | None = None, bucket_mb: float = 25.0) -> None:
+        super().__init__(runtime, options)
         self.bucket_mb = bucket_mb
 
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -147,8 +166,8 @@ SYNC_METHODS.add(ReduceBroadcastSync.name, ReduceBroadcastSync, "reduce to rank 
 SYNC_METHODS.add(DataParallelSync.name, DataParallelSync, "one process over all local GPUs (DataParallel)")
 
 
-def build_grad_sync(name: str, runtime: Runtime) -> GradSync:
-    return SYNC_METHODS.get(name)(runtime)
+def build_grad_sync(name: str, runtime: Runtime, options: SyncOptions | None = None) -> GradSync:
+    return SYNC_METHODS.get(name)(runtime, options)
 
 
 def _layers(model: nn.Module) -> Iterator[nn.Module]:

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 
 from trainer.build import TrainingSetup
 from trainer.checkpoint import CheckpointManager, LoadedCheckpoint
+from trainer.checkpoint.manager import InvalidCheckpoint
 from trainer.checkpoint.parts import RestoreContext, add_run_parts
 from trainer.checkpoint.schema import TaskRecord
 from trainer.config import Config
@@ -67,15 +68,22 @@ class Trainer:
     def restore(self, loaded: LoadedCheckpoint) -> None:
         """Continue from a checkpoint that trainer.resume.check_resume accepted for this run."""
         state, identity = loaded.state, self.runtime.identity
+        source = loaded.shard_source()
         context = RestoreContext(identity.rank, identity.world_size, state.world_size, self.config.train.seed,
-                                 state.position.step, loaded.location)
+                                 state.position.step, loaded.location, source)
         try:
             self.state.restore(state, context)
+        except InvalidCheckpoint as problem:
+            raise CheckpointError(f"checkpoint {loaded.location}: {problem}; use --resume with an older checkpoint "
+                                  f"or --resume none") from None
         except (RuntimeError, ValueError, KeyError) as error:
             raise CheckpointError(
                 f"checkpoint {loaded.location} does not fit this model ({first_line(error)}); it was written with "
                 f"other task options: use another --checkpoint-dir or --resume none"
             ) from None
+        finally:
+            if source is not None:
+                source.close()
         train_size = len(self.setup.train_sampler.dataset)
         if self.position.samples_in_epoch > train_size:
             raise CheckpointError(f"checkpoint {loaded.location} stopped {self.position.samples_in_epoch} samples into "
@@ -238,7 +246,7 @@ class Trainer:
         setup = self.setup
         with self.runtime.busy("evaluating"):
             result = evaluate(setup.model, setup.eval_loader, setup.instance, self.eval_metrics, self.runtime,
-                              setup.autocast, setup.inputs_on_device)
+                              setup.autocast, setup.inputs_on_device, lockstep=setup.sync.sharded)
         record = {**result, "epoch": epoch + 1, "samples_seen": self.position.samples_seen}
         agreed(self.runtime, lambda: self.metrics.write("test", self.position.step, record), OutputError)
         if self.runtime.is_main:

@@ -31,21 +31,22 @@ class Registry(Generic[T]):
     ``patterns`` describe names resolved rather than listed (``torchvision/<name>``): a resolver
     returns the value for a name it understands, or None.
 
-    ``home``: the module whose import fills the registry, imported when the names are first read. A registry
-    declared apart from its entries (trainer.seams) lets the config read the names without importing the
+    ``home``: the module (or modules) whose import fills the registry, imported when the names are first read.
+    A registry declared apart from its entries (trainer.seams) lets the config read the names without importing the
     implementations, which import the config.
     """
 
-    def __init__(self, kind: str, flag: str, home: str = "") -> None:
+    def __init__(self, kind: str, flag: str, home: str | tuple[str, ...] = "") -> None:
         self.kind = kind  # what the names name, for messages: "model", "dataset"
         self.flag = flag  # where users type them: "--model"
-        self.home = home
+        self.homes = (home,) if isinstance(home, str) else home
         self._entries: dict[str, Entry[T]] = {}
         self._resolvers: list[tuple[str, Callable[[str], T | None]]] = []
 
     def _filled(self) -> dict[str, Entry[T]]:
-        if self.home:
-            importlib.import_module(self.home)  # once imported, a lookup in sys.modules
+        for home in self.homes:
+            if home:
+                importlib.import_module(home)  # once imported, a lookup in sys.modules
         return self._entries
 
     def add(self, name: str, value: T, help: str = "") -> T:

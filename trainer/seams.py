@@ -13,5 +13,6 @@ from trainer.registry import Registry
 
 __all__ = ["OPTIMIZERS", "SYNC_METHODS"]
 
-SYNC_METHODS: Registry[Any] = Registry("gradient synchronisation method", "--sync", home="trainer.gradsync")
+SYNC_METHODS: Registry[Any] = Registry("gradient synchronisation method", "--sync",
+                                       home=("trainer.gradsync", "trainer.sharding"))
 OPTIMIZERS: Registry[Any] = Registry("optimizer", "--optimizer", home="trainer.optimizers")

@@ -32,7 +32,7 @@ from tests.support.preconditions import unavailable
 pytestmark = pytest.mark.slow
 
 PYTORCHJOB_SOURCES = ("k8s", "k8s/overlays/kind", "k8s/overlays/elastic", "k8s/overlays/gpu-single-node",
-                      "k8s/overlays/gpu-multi-node", "k8s/overlays/example")
+                      "k8s/overlays/gpu-multi-node", "k8s/overlays/example", "k8s/overlays/sharded")
 CONFIG_MAP, CONFIG_KEY, CLAIM = "ddp-train-config", "config.yaml", "ddp-train-storage"
 SHORT_RUN = {"train": {"epochs": 1}, "data": {"max_train_samples": 512, "max_test_samples": 256}}
 WITHOUT_GPUS = {"dist": {"device": "cpu", "backend": "gloo"}}

@@ -294,6 +294,7 @@ def test_make_k8s_image_points_every_manifest_and_overlay_at_the_registry(k8s_co
     changed = {path.relative_to(k8s_copy).as_posix() for path, text in before.items() if path.read_text() != text}
     assert changed == {"k8s/components/image/kustomization.yaml", "k8s/pytorchjob.yaml"}
     expected = {PLAIN_DIR: {cpu}, "k8s/base": {cpu}, "k8s/overlays/elastic": {cpu}, "k8s/trainer-v2": {cpu},
+                "k8s/overlays/sharded": {cpu},
                 "k8s/overlays/gpu-single-node": {cuda}, "k8s/overlays/gpu-multi-node": {cuda},
                 # Local images by design: the one kind loads onto its node, and the example's derived image.
                 "k8s/overlays/kind": {"ddp-deploy:latest"}, "k8s/overlays/example": {"ddp-forecast:latest"}}

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from devtools.processes import REPO_ROOT, clean_env
 from trainer.checkpoint import open_storage, verify
 
@@ -24,12 +26,13 @@ KILL_MOMENTS = [
 class Saver:
     """tests/workers/checkpoint_saver.py in its own process, read line by line."""
 
-    def __init__(self, checkpoint_dir: Path, log: Path) -> None:
+    def __init__(self, checkpoint_dir: Path, log: Path, sharded: bool) -> None:
         self.checkpoint_dir = checkpoint_dir
         self.log = log
         with open(log, "w") as stderr:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "tests.workers.checkpoint_saver", str(checkpoint_dir), str(STATE_MB)],
+                [sys.executable, "-m", "tests.workers.checkpoint_saver", str(checkpoint_dir), str(STATE_MB),
+                 *(["sharded"] if sharded else [])],
                 env=clean_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True)
 
     def expect(self, word: str) -> list[str]:
@@ -54,13 +57,16 @@ def wait_for_a_temporary_folder(saver: Saver) -> None:
         time.sleep(0.001)
 
 
-def test_sigkill_at_any_moment_of_a_save_leaves_the_checkpoints_usable(tmp_path):
+@pytest.mark.parametrize("sharded", [False, True], ids=["state-file", "sharded"])
+def test_sigkill_at_any_moment_of_a_save_leaves_the_checkpoints_usable(tmp_path, sharded):
+    """Sharded: the weights are a DTensor, written to the rank's shard file before the state file and the
+    manifest (trainer.checkpoint.shards), so the kills land in either."""
     checkpoint_dir = tmp_path / "checkpoints"
     choose = random.Random(1234)
     newest: str | None = None
     kills_leaving_a_temporary = 0
     for attempt, (trigger, fraction) in enumerate([*KILL_MOMENTS, ("after resume", 0.0)]):
-        saver = Saver(checkpoint_dir, tmp_path / f"saver-{attempt}.log")
+        saver = Saver(checkpoint_dir, tmp_path / f"saver-{attempt}.log", sharded)
         try:
             _, resumed = saver.expect("resumed")
             # The start cleared what the last kill left, then took the newest checkpoint, never a temporary.

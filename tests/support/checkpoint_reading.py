@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint import TaskRecord, TrainingPosition, TrainingState, open_storage, verify
+from trainer.checkpoint import LoadedCheckpoint, TaskRecord, TrainingPosition, TrainingState, open_storage, verify
+from trainer.checkpoint.shards import fit
 from trainer.rng import capture_rng
 
 
@@ -32,7 +33,14 @@ def newest_checkpoint(checkpoint_dir: Path) -> tuple[str, dict[str, Any], dict[s
     names = storage.list_checkpoints()
     assert names, f"no checkpoint in {checkpoint_dir}"
     loaded = verify(storage, names[0])
-    return names[0], loaded.manifest, loaded.state.to_dict()
+    return names[0], loaded.manifest, whole(loaded)
+
+
+def whole(loaded: LoadedCheckpoint) -> dict[str, Any]:
+    """A checkpoint's state as a plain dict, a sharded one's tensors put together from every rank's rows."""
+    source = loaded.shard_source()
+    raw = loaded.state.to_dict()
+    return raw if source is None else fit(raw, None, source)
 
 
 def assert_same_tensors(left: Any, right: Any, path: str = "") -> None:

@@ -20,6 +20,7 @@ import torchmetrics
 from torch import nn
 from torch.utils.data import Dataset
 
+from devtools.memory import PeakSampler
 from trainer.metrics import Accuracy
 from trainer.options import ResumeRule, option
 from trainer.task import NoOptions, Task, TaskContext, TaskData
@@ -188,3 +189,40 @@ class HangsTask(ViewTask):
         if os.environ.get("RANK") == "1" and self.calls == 6:
             time.sleep(3600)
         return super().loss(outputs, targets)
+
+
+@dataclass
+class WideOptions:
+    blocks: int = option(48, "Linear layers in the stack (each a sharding unit under --sync fsdp)")
+    width: int = option(1024, "features in and out of each layer")
+    memory_log: str = option("", "a folder where each rank records its resident memory (memory-RANK.json)")
+
+
+class WideTask(Task[WideOptions]):
+    """A stack of wide layers (48 x 1024 x 1024: 201 MB of float32 weights), for --meta-init: each rank records
+    how much its memory grew at most (RssAnon, sampled every millisecond) between its datasets() and its first
+    loss() (the model built, sharded and initialised, before any gradient exists), against the model's size."""
+
+    name = "wide"
+    Options = WideOptions
+
+    def datasets(self, context: TaskContext) -> TaskData:
+        self.rank = context.runtime.identity.rank
+        self.sampler = PeakSampler() if self.options.memory_log else None
+        generator = torch.Generator().manual_seed(context.seed)
+        inputs = torch.randn(32, self.options.width, generator=generator)
+        data = torch.utils.data.TensorDataset(inputs, inputs.flip(1))
+        return TaskData(data, torch.utils.data.Subset(data, range(8)), deterministic_items=True, in_memory=True)
+
+    def model(self, data: TaskData) -> nn.Module:
+        return nn.Sequential(*(nn.Linear(self.options.width, self.options.width) for _ in range(self.options.blocks)))
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.sampler is not None:
+            import json
+
+            grown, self.sampler = self.sampler.stop(), None
+            full = 4 * self.options.blocks * (self.options.width + 1) * self.options.width
+            with open(os.path.join(self.options.memory_log, f"memory-{self.rank}.json"), "w") as record:
+                json.dump({"grown": grown, "full": full}, record)
+        return nn.functional.mse_loss(outputs.float(), targets)

@@ -1,8 +1,9 @@
 """A process that does nothing but save checkpoints, for tests that kill it mid-save.
 
-``python -m tests.workers.checkpoint_saver DIR STATE_MB``: prepares DIR (clearing crashed saves' leftovers),
+``python -m tests.workers.checkpoint_saver DIR STATE_MB [sharded]``: prepares DIR (clearing crashed saves' leftovers),
 resumes from the newest valid checkpoint, then saves step after step of a STATE_MB state with
-keep_last=2, announcing each on stdout: ``resumed NAME|none``, ``saving STEP``, ``saved STEP SECONDS``.
+keep_last=2 (``sharded``: its weights a DTensor, written as a sharded checkpoint), announcing each on stdout:
+``resumed NAME|none``, ``saving STEP``, ``saved STEP SECONDS``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import sys
 import time
 
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from tests.support.checkpoint_reading import state_at
 from trainer.checkpoint import CheckpointManager
@@ -22,7 +25,7 @@ from trainer.launchers import identity_from_env
 SAVES_AT_MOST = 200  # ends on its own if a test forgets it
 
 
-def main(checkpoint_dir: str, state_mb: int) -> None:
+def main(checkpoint_dir: str, state_mb: int, sharded: bool = False) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     # Each start is a restart of one job (as under a launcher that restarts it): it takes the folder's lease
     # from the attempt it killed at once.
@@ -34,8 +37,11 @@ def main(checkpoint_dir: str, state_mb: int) -> None:
         print(f"resumed {loaded.location if loaded else 'none'}", flush=True)
         last_step = loaded.manifest["step"] if loaded else 0
         weights = torch.randn(state_mb * 2**18)  # float32: 4 bytes each
+        if sharded:
+            mesh = init_device_mesh("cpu", (1,))
+            weights = distribute_tensor(weights, mesh, [Shard(0)])
         for step in range(last_step + 1, last_step + 1 + SAVES_AT_MOST):
-            weights[0] = step  # each checkpoint's content differs
+            (weights.to_local() if sharded else weights)[0] = step  # each checkpoint's content differs
             print(f"saving {step}", flush=True)
             started = time.perf_counter()
             manager.save(state_at(step, weights))
@@ -43,4 +49,4 @@ def main(checkpoint_dir: str, state_mb: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), sharded=sys.argv[3:] == ["sharded"])

@@ -16,10 +16,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils.serialization import config as serialization_config
 
+from trainer.checkpoint import shards
 from trainer.checkpoint.lease import CheckpointLease
-from trainer.checkpoint.schema import FORMAT, READABLE, SchemaError, TrainingState, library_versions
+from trainer.checkpoint.schema import (
+    FORMAT,
+    READABLE,
+    SHARDED_FORMAT,
+    SchemaError,
+    TrainingState,
+    library_versions,
+)
 from trainer.checkpoint.storage import (
     MANIFEST,
     CheckpointStorage,
@@ -54,6 +63,16 @@ class LoadedCheckpoint:
     location: str
     manifest: dict[str, Any]
     state: TrainingState
+    # Where the folder is (its storage's location and its name): each rank reads its own shards there.
+    folder: tuple[str, str] = ("", "")
+
+    def shard_source(self) -> shards.ShardSource | None:
+        """The rows of a sharded checkpoint's tensors, read by this rank and checked against the manifest."""
+        if self.state.shards is None:
+            return None
+        storage, name = open_storage(self.folder[0]), self.folder[1]
+        return shards.ShardSource(self.state.shards, lambda filename: _checked_read(storage, name, filename,
+                                                                                    self.manifest))
 
 
 @dataclass(frozen=True)
@@ -76,21 +95,8 @@ def verify(storage: CheckpointStorage, name: str) -> LoadedCheckpoint:
     if not storage.exists(name, MANIFEST):
         raise InvalidCheckpoint("no manifest (the save did not finish)" if storage.has_folder(name)
                                 else "no such checkpoint folder")
-    manifest, size, checksum, version = _read_manifest(storage, name)
-    try:
-        # The size first: a file that is not what the manifest promises is not read at all.
-        found = storage.size(name, STATE_FILE)
-        if found != size:
-            raise InvalidCheckpoint(f"{STATE_FILE} has {found} bytes, the manifest says {size}")
-        data = storage.read(name, STATE_FILE)
-    except NotAFile as problem:
-        raise InvalidCheckpoint(str(problem)) from None
-    except OSError as error:
-        raise InvalidCheckpoint(f"{STATE_FILE} unreadable ({error.strerror or error})") from None
-    if len(data) != size:
-        raise InvalidCheckpoint(f"{STATE_FILE} has {len(data)} bytes, the manifest says {size}")
-    if crc32_hex(data) != checksum:
-        raise InvalidCheckpoint(f"{STATE_FILE} does not match the manifest's crc32 checksum (corrupted)")
+    manifest, _, _, version = _read_manifest(storage, name)
+    data = _checked_read(storage, name, STATE_FILE, manifest)
     try:
         # weights_only: a checkpoint on shared storage must not be able to run code when loaded.
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -99,14 +105,44 @@ def verify(storage: CheckpointStorage, name: str) -> LoadedCheckpoint:
                                 ) from None
     if not isinstance(state, dict):
         raise InvalidCheckpoint(f"{STATE_FILE} holds a {type(state).__name__}, not a training state")
+    for filename in manifest["files"]:
+        if filename != STATE_FILE:  # a sharded checkpoint's shard files: read through, never kept
+            _checked_read(storage, name, filename, manifest)
     try:
-        return LoadedCheckpoint(storage.describe(name), manifest, TrainingState.from_dict(state, version))
+        return LoadedCheckpoint(storage.describe(name), manifest, TrainingState.from_dict(state, version),
+                                (storage.location, name))
     except SchemaError as problem:
         raise InvalidCheckpoint(str(problem)) from None
 
 
+def _checked_read(storage: CheckpointStorage, name: str, filename: str, manifest: dict[str, Any]) -> bytes:
+    """One of the checkpoint's files, its size and checksum those the manifest promises."""
+    try:
+        expected = manifest["files"][filename]
+        size, checksum = int(expected["bytes"]), str(expected["crc32"])
+    except (KeyError, TypeError, ValueError):
+        raise InvalidCheckpoint(f"{MANIFEST} does not describe {filename}") from None
+    if "/" in filename or filename.startswith("."):
+        raise InvalidCheckpoint(f"{MANIFEST} names a file outside the checkpoint folder ({filename!r})")
+    try:
+        # The size first: a file that is not what the manifest promises is not read at all.
+        found = storage.size(name, filename)
+        if found != size:
+            raise InvalidCheckpoint(f"{filename} has {found} bytes, the manifest says {size}")
+        data = storage.read(name, filename)
+    except NotAFile as problem:
+        raise InvalidCheckpoint(str(problem)) from None
+    except OSError as error:
+        raise InvalidCheckpoint(f"{filename} unreadable ({error.strerror or error})") from None
+    if len(data) != size:
+        raise InvalidCheckpoint(f"{filename} has {len(data)} bytes, the manifest says {size}")
+    if crc32_hex(data) != checksum:
+        raise InvalidCheckpoint(f"{filename} does not match the manifest's crc32 checksum (corrupted)")
+    return data
+
+
 def _read_manifest(storage: CheckpointStorage, name: str) -> tuple[dict[str, Any], int, str, int]:
-    """The manifest, and the size and checksum it promises for the state file."""
+    """The manifest, the size and checksum it promises for the state file, and its format."""
     try:
         if storage.size(name, MANIFEST) > MAX_MANIFEST_BYTES:
             raise InvalidCheckpoint(f"{MANIFEST} is larger than any manifest this trainer writes "
@@ -160,6 +196,7 @@ class CheckpointManager:
         self._stalled = False  # a write outlasted --checkpoint-timeout-s: its thread is abandoned, not joined
         self._copied: threading.Event | None = None  # set once an asynchronous save's deferred copies are done
         self._buffers: dict[str, torch.Tensor] = {}
+        self._side_group: Any = None  # the sharded writers' own gloo group, made at the first sharded save
         self.lease: CheckpointLease | None = None
 
     # -- start ---------------------------------------------------------------------------------------------
@@ -247,6 +284,9 @@ class CheckpointManager:
         waits for that copy.
         """
         self._raise_everywhere(*self._wait_for_writer())
+        if shards.has_sharded(state.parts):
+            self._save_sharded(state, metrics)
+            return
         gathered = {name: gather_to_main(state.parts[name], self.runtime) for name in state.per_rank}
         error, stalled = None, False
         if self.runtime.is_main:
@@ -264,6 +304,99 @@ class CheckpointManager:
                 error, stalled = self._wait_for_writer()
         if not self.config.async_checkpoint:
             self._raise_everywhere(error, stalled)
+
+    def _save_sharded(self, state: TrainingState, metrics: dict[str, float] | None) -> None:
+        """Every rank writes its own rows of the sharded tensors into the new folder, in parallel; rank 0 then
+        writes the state file and the manifest (every file's size and checksum) and commits the folder. An
+        asynchronous save returns once this rank's rows are copied to host memory (trainer.checkpoint.shards); a
+        synchronous one writes the rows where they are (training waits for it), with no copy."""
+        split = shards.split(state.parts)
+        gathered = {name: gather_to_main(state.parts[name], self.runtime) for name in state.per_rank}
+        name = checkpoint_name(state.position.step)
+        opened: tuple[str | None, str | None] = (None, None)
+        if self.runtime.is_main:
+            try:
+                self._check_lease()
+                opened = (self.storage.begin(name), None)
+            except CheckpointError as problem:
+                opened = (None, str(problem))
+        temporary, error = broadcast_from_main(opened, self.runtime)
+        self._raise_everywhere(error)
+        assert temporary is not None
+        if self._side_group is None and self.runtime.identity.world_size > 1:
+            # The writers report to rank 0 from their threads: collectives of their own, apart from training's.
+            self._side_group = dist.new_group(backend="gloo")
+        local = split.local
+        if self.config.async_checkpoint:  # training goes on meanwhile: a copy in host memory is written
+            local = self._snapshot(split.local, "/shards", lambda path: False, [])
+        raw: dict[str, Any] = {}
+        described: dict[str, Any] = {}
+        if self.runtime.is_main:
+            state.parts = {**split.plain, **{part: values or [] for part, values in gathered.items()}}
+            state.versions = library_versions()
+            raw, described = state.to_dict(), state.manifest(metrics)
+        self._copied = None
+        self._writer = threading.Thread(target=self._write_sharded,
+                                        args=(name, temporary, local, split.rows, raw, described),
+                                        name="checkpoint-writer", daemon=True)
+        self._writer_deadline = time.monotonic() + self.config.checkpoint_timeout_s
+        self._writer_name = name
+        self._writer.start()
+        if not self.config.async_checkpoint:
+            self._raise_everywhere(*self._wait_for_writer())
+
+    def _write_sharded(self, name: str, temporary: str, local: dict[str, torch.Tensor],
+                       rows: dict[str, list[int]], raw: dict[str, Any], manifest_extra: dict[str, Any]) -> None:
+        started = time.perf_counter()
+        rank = self.runtime.identity.rank
+        written: dict[str, Any] | None = None
+        failure = None
+        try:
+            if local:
+                written = self.storage.write_file(temporary, shards.shard_file(rank),
+                                                  lambda handle: save_state(local, handle))
+        except OSError as error:
+            failure = (f"rank {rank} could not write its shards into {self.storage.describe(temporary)} "
+                       f"({self.storage.reason(error)}); sharded checkpoints need a --checkpoint-dir that every rank "
+                       f"reaches (a shared file system or an object store)")
+        except Exception as error:  # noqa: BLE001 - reported by rank 0; this thread must reach the gather
+            failure = f"rank {rank} could not write its shards: {error!r}"
+        reports = [(written, rows, failure)]
+        if self._side_group is not None:
+            everyone: list[Any] | None = [None] * self.runtime.identity.world_size if self.runtime.is_main else None
+            dist.gather_object((written, rows, failure), everyone, dst=0, group=self._side_group)
+            reports = everyone or []
+        if not self.runtime.is_main:
+            return
+        try:
+            failures = [report[2] for report in reports if report[2]]
+            if failures:
+                self.storage.abandon(temporary)
+                raise CheckpointError(f"{failures[0]}. The previous checkpoints are untouched")
+            files = {shards.shard_file(r): report[0] for r, report in enumerate(reports) if report[0] is not None}
+            raw["shards"] = {"files": {shards.shard_file(r): report[1] for r, report in enumerate(reports)
+                                       if report[0] is not None}}
+            every_file: dict[str, dict[str, Any]] = {}
+
+            def make_manifest(described: dict[str, dict[str, Any]]) -> bytes:
+                every_file.update(described)
+                manifest = {"format": SHARDED_FORMAT, **manifest_extra, "created_unix": time.time(),
+                            "files": described}
+                return json.dumps(manifest, indent=2).encode()
+
+            self._check_lease()
+            self.storage.commit(temporary, name, {STATE_FILE: lambda handle: save_state(raw, handle)}, files,
+                                make_manifest)
+            self.last_timing.write_s = time.perf_counter() - started
+            self.last_timing.bytes = sum(int(entry["bytes"]) for entry in every_file.values())
+            self.log.info("checkpoint %s written (%.1f MB in %d file(s) from %d rank(s), %.2fs)",
+                          self.storage.describe(name), self.last_timing.bytes / 1e6, len(every_file),
+                          len(files), self.last_timing.write_s)
+            self._prune(written=name)
+        except CheckpointError as problem:
+            self._writer_error = str(problem)
+        except Exception as problem:  # noqa: BLE001 - reported to every rank by the next save or finish
+            self._writer_error = f"checkpoint write failed: {problem!r}"
 
     def _start_writer(self, name: str, state: dict[str, Any], manifest_extra: dict[str, Any],
                       later: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

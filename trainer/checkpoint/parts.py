@@ -7,8 +7,9 @@ A part says its name, how to capture its value (plain types and tensors: checkpo
 and an ``upgrade`` from what older checkpoints hold whenever a part's layout changes or a part is new.
 
 Kinds: a ``REPLICATED`` part is the same on every rank and rank 0's is written; a ``PER_RANK`` part (the
-random generators) is captured on every rank and saved as a list in rank order. A sharded part (each rank
-writing its own shards through torch.distributed.checkpoint) is one more kind here, saved by the same manager.
+random generators) is captured on every rank and saved as a list in rank order. A replicated part may hold
+sharded tensors (DTensors, under --sync fsdp/hsdp): the manager writes each rank's rows of them to that rank's
+own file, and its restore fits them to what this run holds (trainer.checkpoint.shards.fit).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from trainer.checkpoint.schema import HEADER, TaskRecord, TrainingState
+from trainer.checkpoint.schema import HEADER, SHARDED_HEADER, TaskRecord, TrainingState
 from trainer.errors import CheckpointError
 from trainer.position import TrainingPosition
 
@@ -40,6 +41,8 @@ class RestoreContext:
     seed: int
     step: int  # where the checkpoint stands: optimizer steps taken
     location: str  # the checkpoint's, for messages
+    # A sharded checkpoint's rows, read on demand (trainer.checkpoint.shards.ShardSource; None: unsharded).
+    shards: Any = None
 
 
 def _nothing_deferred(path: str) -> bool:
@@ -71,9 +74,9 @@ class StateParts:
         self._parts: dict[str, StatePart] = {}
 
     def add(self, part: StatePart) -> None:
-        if part.name in self._parts or part.name in HEADER:
+        if part.name in self._parts or part.name in (*HEADER, *SHARDED_HEADER):
             raise ValueError(f"checkpoint part {part.name!r} is taken (parts: {', '.join(self._parts)}; the "
-                             f"checkpoint's own entries: {', '.join(HEADER)})")
+                             f"checkpoint's own entries: {', '.join((*HEADER, *SHARDED_HEADER))})")
         self._parts[part.name] = part
 
     def __iter__(self) -> Iterator[StatePart]:

@@ -9,6 +9,9 @@ Format history (the manifest's "format"; each part's layout has its own version,
   3  the task's identity and options; "grad_scaler"; no learning-rate "scheduler" (it is a function of
      samples seen) nor "best_accuracy" (the manifests' metrics serve --keep-best). Since the named parts,
      "part_versions" too (absent: every part at version 1)
+  4  format 3 with sharded tensors (--sync fsdp/hsdp): markers in the parts, each rank's rows in its own
+     ``shards-RRRRR.pt``, and a "shards" entry saying which file holds which rows (trainer.checkpoint.shards).
+     Unsharded checkpoints are still written in format 3
 Older formats are migrated when read; a format this trainer does not know is refused, never skipped.
 """
 
@@ -27,7 +30,8 @@ import trainer
 from trainer.position import TrainingPosition
 
 FORMAT = 3
-READABLE = (2, 3)
+SHARDED_FORMAT = 4
+READABLE = (2, 3, 4)
 
 
 # What the manifest and the resume checks read before any part is restored.
@@ -49,6 +53,8 @@ class TaskRecord:
 
 # The checkpoint's own entries beside the parts (trainer.checkpoint.parts), written by the checkpoint manager.
 HEADER = ("world_size", "versions", "part_versions")
+# Format 4's one entry more: which rows of which sharded tensor each shard file holds.
+SHARDED_HEADER = ("shards",)
 
 
 @dataclass
@@ -61,6 +67,8 @@ class TrainingState:
     part_versions: dict[str, int]  # of each part's layout (format 3 wrote none: every part it holds is version 1)
     # Parts captured on every rank, which the checkpoint manager gathers into a list in rank order (not saved).
     per_rank: tuple[str, ...] = ()
+    # Format 4: which rows of which sharded tensor each shard file holds (trainer.checkpoint.shards).
+    shards: dict[str, Any] | None = None
 
     def part_version(self, name: str) -> int:
         """The version of a part as saved; 0 when the checkpoint lacks it."""
@@ -86,8 +94,11 @@ class TrainingState:
         return self.parts["model"]
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.parts, "world_size": self.world_size, "versions": self.versions,
-                "part_versions": self.part_versions}
+        raw = {**self.parts, "world_size": self.world_size, "versions": self.versions,
+               "part_versions": self.part_versions}
+        if self.shards is not None:
+            raw["shards"] = self.shards
+        return raw
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], format_version: int) -> TrainingState:
@@ -97,11 +108,15 @@ class TrainingState:
         if missing:
             raise SchemaError(f"state.pt lacks {', '.join(missing)}")
         try:
-            parts = {name: value for name, value in raw.items() if name not in HEADER}
+            parts = {name: value for name, value in raw.items() if name not in (*HEADER, *SHARDED_HEADER)}
             TrainingPosition.from_dict(parts["position"])
             TaskRecord(**parts["task"])
+            shards = raw.get("shards")
+            if (format_version == SHARDED_FORMAT) != isinstance(shards, dict):
+                raise SchemaError(f"state.pt {'lacks' if shards is None else 'has'} the shard layout of format 4")
             return cls(parts, int(raw["world_size"]), dict(raw.get("versions", {})),
-                       {str(name): int(version) for name, version in raw.get("part_versions", {}).items()})
+                       {str(name): int(version) for name, version in raw.get("part_versions", {}).items()},
+                       shards=shards)
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise SchemaError(f"state.pt does not have the layout of format {format_version} "
                               f"({type(error).__name__}: {error})") from None

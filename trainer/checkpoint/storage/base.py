@@ -76,28 +76,51 @@ class CheckpointStorage(ABC):
 
     def write(self, name: str, files: dict[str, FileWriter], make_manifest: ManifestMaker) -> None:
         """Stream the files, then the manifest describing them, then make the folder appear under ``name``."""
+        self.commit(self.begin(name), name, files, {}, make_manifest)
+
+    def begin(self, name: str) -> str:
+        """A new temporary folder for checkpoint ``name``, which several processes may write files into
+        (``write_file``) before one of them commits it."""
         temporary = f"{TEMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
         try:
             self._make_folder(temporary)
-            described: dict[str, dict[str, Any]] = {}
+        except OSError as error:
+            raise self._failure(name, error) from None
+        return temporary
+
+    def write_file(self, temporary: str, filename: str, write_content: FileWriter) -> dict[str, Any]:
+        """Stream one file into the temporary folder through a checksum; its size and crc32, for the manifest."""
+        with self._create(temporary, filename) as handle, ChecksumWriter(handle) as checksummed:
+            try:
+                write_content(checksummed)  # type: ignore[arg-type] - a write/flush file object
+            except Exception:
+                if checksummed.error is not None:
+                    raise checksummed.error from None  # the cause a person can act on
+                raise
+        return checksummed.summary()
+
+    def commit(self, temporary: str, name: str, files: dict[str, FileWriter], written: dict[str, dict[str, Any]],
+               make_manifest: ManifestMaker) -> None:
+        """Write the remaining files, then the manifest describing them and the ``written`` ones, then make the
+        folder appear under ``name``; on failure the temporary folder is removed and the older ones stay."""
+        try:
+            described = dict(written)
             for filename, write_content in files.items():
-                with self._create(temporary, filename) as handle, ChecksumWriter(handle) as checksummed:
-                    try:
-                        write_content(checksummed)  # type: ignore[arg-type] - a write/flush file object
-                    except Exception:
-                        if checksummed.error is not None:
-                            raise checksummed.error from None  # the cause a person can act on
-                        raise
-                described[filename] = checksummed.summary()
+                described[filename] = self.write_file(temporary, filename, write_content)
             with self._create(temporary, MANIFEST) as handle:
                 handle.write(make_manifest(described))
             self._commit(temporary, name)
         except OSError as error:
             self._remove_quietly(temporary)
-            raise CheckpointError(
-                f"could not write checkpoint {self.describe(name)}: {self.reason(error)}. The previous "
-                f"checkpoints are untouched; {_remedy(error, self.location)}"
-            ) from None
+            raise self._failure(name, error) from None
+
+    def abandon(self, temporary: str) -> None:
+        """Remove a temporary folder whose save failed."""
+        self._remove_quietly(temporary)
+
+    def _failure(self, name: str, error: OSError) -> CheckpointError:
+        return CheckpointError(f"could not write checkpoint {self.describe(name)}: {self.reason(error)}. The "
+                               f"previous checkpoints are untouched; {_remedy(error, self.location)}")
 
     def remove_temporaries(self) -> list[str]:
         """Delete folders left by saves that crashed; they never held a usable checkpoint, except a

@@ -1,0 +1,269 @@
+"""--sync fsdp and hsdp with real processes: sharded checkpoints resume bitwise at the same world size, reshard
+at another one with every sample trained exactly once, convert to and from DDP checkpoints, survive SIGTERM;
+--meta-init never gives one rank the whole model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.figures.sharded import FIXED_MMAP_THRESHOLD
+from devtools.processes import REPO_ROOT, TORCHRUN, clean_env, env_ranks, free_port, run, torchrun
+from tests.integration.test_resize import LEDGER, assert_each_sample_trained_once, ledger
+from tests.support.checkpoint_reading import assert_same_tensors, newest_checkpoint, summary, wait_for_checkpoint
+from tests.support.sample_logs import global_order
+from trainer.errors import EXIT_PREEMPTED
+from trainer.sampler import ResumableDistributedSampler
+
+# Every segment trains global batches of 24 (--batch-size 24 / ranks) with --sync-bn, so a run resharded from 2
+# ranks to 3 and 1 takes the very steps of the uninterrupted one, on the same samples, with BatchNorm over the
+# same 24: they differ only in the order the ranks' sums are added, the last bits. SGD: a step is linear in the
+# gradient and keeps those differences at rounding's size (Adam divides by the gradient's running magnitude:
+# where a gradient is nearly zero, its last bits decide a step of the full learning rate).
+SIZE, GLOBAL_BATCH = 240, 24  # 10 steps an epoch
+ARGS = ["--optimizer", "sgd", "--lr", "0.003", "--sync-bn", "--dataset", "synthetic", "--synthetic-train-size",
+        str(SIZE), "--synthetic-test-size", "40", "--eval-batch-size", "13", "--epochs", "1", "--seed", "7",
+        "--progress", "off", "--no-tensorboard", "--sample-log", "--log-every", "1",
+        "--allow-resume-change", "batch_size"]
+TOLERANCE = 1e-5  # on parameters around 0.1 after 10 steps: rounding, not a different step (those move ~1e-3)
+
+
+def launch(nproc: int, output: Path, *extra: str, sync: str = "fsdp") -> subprocess.CompletedProcess[str]:
+    args = [*ARGS, "--batch-size", str(GLOBAL_BATCH // nproc), "--output-dir", str(output), "--sync", sync, *extra]
+    result = torchrun(args, nproc=nproc) if nproc > 1 else run([sys.executable, "-m", "trainer", *args])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def trained(output: Path) -> dict:
+    name, manifest, state = newest_checkpoint(output / "checkpoints")
+    assert manifest["epoch"] == 1 and manifest["samples_in_epoch"] == 0, name
+    return {"model": state["model"], "optimizer": state["optimizer"], "position": state["position"]}
+
+
+def final_test(output: Path) -> dict:
+    records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    return [record for record in records if record["kind"] == "test"][-1]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    output = tmp_path_factory.mktemp("uninterrupted")
+    launch(2, output)
+    return output
+
+
+def test_a_sharded_checkpoint_holds_each_ranks_rows_and_loads_without_pickled_code(uninterrupted):
+    folder = sorted((uninterrupted / "checkpoints").glob("step-*"))[-1]
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["format"] == 4
+    assert sorted(manifest["files"]) == ["shards-00000.pt", "shards-00001.pt", "state.pt"]
+    state = torch.load(folder / "state.pt", weights_only=True)
+    rows = {path: [state["shards"]["files"][name][path] for name in ("shards-00000.pt", "shards-00001.pt")]
+            for path in state["shards"]["files"]["shards-00000.pt"]}
+    shard = torch.load(folder / "shards-00001.pt", weights_only=True)
+    for path, ((first0, count0), (first1, count1)) in rows.items():
+        assert first0 == 0 and first1 == count0, path  # rank 1 holds the rows after rank 0's
+        assert shard[path].shape[0] == count1
+    assert any(path.startswith("/optimizer/state/") for path in rows)
+
+
+def test_stopping_and_resuming_at_the_same_world_size_is_bitwise_identical_with_async_saves(uninterrupted, tmp_path):
+    launch(2, tmp_path, "--max-steps", "6", "--async-checkpoint")
+    launch(2, tmp_path, "--async-checkpoint")
+    assert summary(tmp_path)["resumed_from"].endswith("step-00000006")
+    assert_same_tensors(trained(tmp_path), trained(uninterrupted))
+
+
+def test_resharding_2_to_3_to_1_trains_every_sample_once_in_order_and_ends_alike(uninterrupted, tmp_path):
+    launch(2, tmp_path, "--max-steps", "4")
+    # 3 ranks hold 14, 13 and 13 of the 40 evaluation samples: 2, 1 and 1 batches of 13, and every forward pass
+    # of a sharded model is collective (the evaluation runs the short ranks' extra ones on a spare batch).
+    third = launch(3, tmp_path, "--max-steps", "7")
+    assert "test loss" in third.stderr and "on 40 samples" in third.stderr, third.stderr[-3000:]
+    launch(1, tmp_path)
+    order = global_order(tmp_path, 2, 0, 4) + global_order(tmp_path, 3, 4, 7) + global_order(tmp_path, 1, 7, 10**9)
+    assert order == ResumableDistributedSampler(range(SIZE), 1, 0, seed=7).epoch_order()
+    resharded, reference = trained(tmp_path), trained(uninterrupted)
+    assert_close(resharded, reference)
+    assert final_test(tmp_path)["loss"] == pytest.approx(final_test(uninterrupted)["loss"], abs=TOLERANCE)
+    assert final_test(tmp_path)["accuracy"] == final_test(uninterrupted)["accuracy"]
+
+
+def assert_close(state: dict, reference: dict) -> None:
+    """The model and the optimizer's momentum within rounding of the reference's."""
+    for part in ("model", "optimizer"):
+        flat, expected = _tensors(state[part]), _tensors(reference[part])
+        assert flat.keys() == expected.keys(), part
+        for path, tensor in expected.items():
+            if tensor.is_floating_point():
+                assert torch.allclose(flat[path], tensor, rtol=0, atol=TOLERANCE), f"{part}{path}"
+            else:
+                assert torch.equal(flat[path], tensor), f"{part}{path}"  # BatchNorm's batch counts
+
+
+def _tensors(value, path: str = "") -> dict:
+    if isinstance(value, torch.Tensor):
+        return {path: value}
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list | tuple) else []
+    return {key: tensor for name, item in items for key, tensor in _tensors(item, f"{path}/{name}").items()}
+
+
+def test_ddp_checkpoints_load_into_fsdp_runs_and_back(uninterrupted, tmp_path):
+    launch(2, tmp_path, "--max-steps", "3", sync="ddp")
+    launch(2, tmp_path, "--max-steps", "6")  # fsdp from a DDP checkpoint
+    launch(1, tmp_path, sync="ddp")  # and DDP from a sharded one
+    order = global_order(tmp_path, 2, 0, 6) + global_order(tmp_path, 1, 6, 10**9)
+    assert order == ResumableDistributedSampler(range(SIZE), 1, 0, seed=7).epoch_order()
+    assert_close(trained(tmp_path), trained(uninterrupted))
+    manifest = json.loads((sorted((tmp_path / "checkpoints").glob("step-*"))[-1] / "manifest.json").read_text())
+    assert manifest["format"] == 3  # the last segment was DDP: a plain state file again
+
+
+def test_resharding_uneven_shards_trains_each_sample_exactly_once(tmp_path):
+    """The ledger task (98 samples): with 3 ranks x 4 the last step leaves a rank empty, and the 98 x 1 embedding
+    is sharded 49/49 then 33/33/32: any sample trained twice or lost in the resharding shows in its number."""
+    args = [*LEDGER, "--sync", "fsdp", "--output-dir", str(tmp_path)]
+    stopped = torchrun([*args, "--max-steps", "5"], nproc=2)
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    resumed = torchrun(args, nproc=3)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    steps = [8] * 5 + [12] * ((98 - 40) // 12) + [(98 - 40) % 12]
+    assert_each_sample_trained_once(ledger(tmp_path), steps)
+
+
+def test_sigterm_under_fsdp_writes_a_sharded_checkpoint_and_exits_retryable(uninterrupted, tmp_path):
+    args = [*ARGS, "--batch-size", "4", "--output-dir", str(tmp_path), "--sync", "fsdp", "--checkpoint-every", "1",
+            "--epochs", "3"]
+    process = subprocess.Popen([*TORCHRUN, "--standalone", "--nproc-per-node=2", "-m", "trainer", *args],
+                               env=clean_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    wait_for_checkpoint(tmp_path / "checkpoints", process)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert f"exiting with {EXIT_PREEMPTED}" in stderr, stderr[-3000:]
+    _, manifest, _ = newest_checkpoint(tmp_path / "checkpoints")
+    assert manifest["format"] == 4 and 0 < manifest["step"] < 90
+
+
+def test_meta_init_never_gives_a_rank_the_whole_model_and_starts_from_the_plain_builds_weights(tmp_path):
+    """48 x 1024 x 1024 floats (201 MB): built on the meta device, each rank's memory grows by its half and a
+    layer or two; built whole, it grows by the whole model first. Both start from the same weights. glibc's
+    mmap threshold is fixed: its default rises after each freed buffer and then keeps freed buffers resident."""
+    results = {}
+    for meta in ("on", "off"):
+        output = tmp_path / meta
+        output.mkdir()
+        result = torchrun(["--task", "tests.support.tasks:WideTask", "--memory-log", str(output), "--sync", "fsdp",
+                           "--meta-init", meta, "--optimizer", "sgd", "--momentum", "0", "--batch-size", "4",
+                           "--max-steps", "2", "--epochs", "1", "--progress", "off", "--no-tensorboard",
+                           "--output-dir", str(output)], nproc=2, env=FIXED_MMAP_THRESHOLD)
+        assert result.returncode == 0, result.stderr[-3000:]
+        memory = [json.loads((output / f"memory-{rank}.json").read_text()) for rank in (0, 1)]
+        results[meta] = (max(record["grown"] for record in memory), memory[0]["full"],
+                         newest_checkpoint(output / "checkpoints")[2]["model"])
+    (grown_meta, full, meta_model), (grown_plain, _, plain_model) = results["on"], results["off"]
+    assert grown_meta < 0.75 * full, (grown_meta, full)
+    assert grown_plain >= full, (grown_plain, full)  # what the test would see if --meta-init built it whole
+    assert_same_tensors(meta_model, plain_model)
+
+
+def test_hsdp_shards_within_each_node_and_replicates_across_two(uninterrupted, tmp_path):
+    """Two torchrun agents (nodes) of two ranks: a 2 x 2 mesh; one replica writes the shards; the checkpoint
+    then resumes under --sync fsdp at one rank, on the same global order."""
+    port = free_port()
+    args = [*ARGS, "--batch-size", str(GLOBAL_BATCH // 4), "--output-dir", str(tmp_path), "--sync", "hsdp",
+            "--max-steps", "2"]
+    agents = [subprocess.Popen(
+        [*TORCHRUN, "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+         "--rdzv-id=hsdp", "-m", "trainer", *args],
+        env=clean_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [agent.communicate(timeout=300) for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    logged = outputs[0][1] + outputs[1][1]
+    assert "mesh 2x2" in logged, logged[-3000:]
+    manifest = json.loads((tmp_path / "checkpoints" / "step-00000002" / "manifest.json").read_text())
+    assert sorted(manifest["files"]) == ["shards-00000.pt", "shards-00001.pt", "state.pt"]  # replica 0 only
+    launch(1, tmp_path)
+    order = global_order(tmp_path, 4, 0, 2) + global_order(tmp_path, 1, 2, 10**9)
+    assert order == ResumableDistributedSampler(range(SIZE), 1, 0, seed=7).epoch_order()
+    assert_close(trained(tmp_path), trained(uninterrupted))
+
+
+def test_clipping_and_accumulation_act_on_the_whole_gradient_as_under_ddp(tmp_path):
+    """--clip-grad-norm 0.01 clips every step here: a norm taken per shard would clip each rank's rows by its own
+    norm and move far from DDP's; --grad-accum-steps 2 reduces once per step, after both micro-batches."""
+    extra = ["--clip-grad-norm", "0.01", "--grad-accum-steps", "2", "--max-steps", "3", "--lr", "0.05"]
+    launch(2, tmp_path / "ddp", *extra, sync="ddp")
+    launch(2, tmp_path / "fsdp", *extra)
+    sharded = newest_checkpoint(tmp_path / "fsdp" / "checkpoints")[2]
+    plain = newest_checkpoint(tmp_path / "ddp" / "checkpoints")[2]
+    assert_close(sharded, plain)
+    unclipped = launch(2, tmp_path / "unclipped", *extra[2:], sync="ddp")
+    assert unclipped.returncode == 0
+    moved = max((newest_checkpoint(tmp_path / "unclipped" / "checkpoints")[2]["model"][name] - tensor).abs().max()
+                for name, tensor in plain["model"].items() if tensor.is_floating_point())
+    assert moved > 100 * TOLERANCE, "the clipping changed nothing: the test would not tell a per-shard norm"
+
+
+def test_the_example_task_trains_to_the_end_under_fsdp_in_bf16(tmp_path):
+    result = torchrun(["--task", "forecast:Forecast", "--epochs", "2", "--batch-size", "64", "--lr", "3e-3", "--sync",
+                       "fsdp", "--precision", "bf16", "--progress", "off", "--no-tensorboard", "--output-dir",
+                       str(tmp_path)], nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--sync fsdp: " in result.stderr
+    first, last = [record for record in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+                   if record["kind"] == "test"]
+    assert last["samples"] == 768 and last["loss"] < first["loss"] and last["r2"] > 0.5, (first, last)
+
+
+def test_a_damaged_shard_file_is_refused_in_one_line_and_export_puts_a_checkpoint_together(uninterrupted, tmp_path):
+    folder = sorted((uninterrupted / "checkpoints").glob("step-*"))[-1]
+    exported = run([sys.executable, "-m", "trainer.export", str(folder), str(tmp_path / "model.pt")])
+    assert exported.returncode == 0 and "wrote" in exported.stdout, exported.stderr
+    weights = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert_same_tensors(weights, trained(uninterrupted)["model"])
+    damaged = tmp_path / "checkpoints" / folder.name
+    damaged.parent.mkdir()
+    shutil.copytree(folder, damaged)
+    with open(damaged / "shards-00001.pt", "r+b") as shard:
+        shard.seek(200)
+        shard.write(b"\x00\x01\x02\x03")
+    refused = run([sys.executable, "-m", "trainer.export", str(damaged), str(tmp_path / "again.pt")])
+    assert refused.returncode == 2
+    assert refused.stderr.strip() == (f"ddp-export: {damaged}: shards-00001.pt does not match the manifest's crc32 "
+                                      f"checksum (corrupted)")
+    assert not (tmp_path / "again.pt").exists()
+
+
+def test_fsdp_under_plain_rank_variables_checkpoints_to_an_object_store_and_reshards_from_it(s3_env, tmp_path):
+    """RANK/WORLD_SIZE/MASTER_* set by hand (the plain dialect, as Compose sets them), the checkpoints in a bucket
+    of a real S3-compatible server: each rank uploads its own rows; one rank then resumes from the bucket."""
+    location = f"s3://{s3_env.new_bucket()}/ckpt"
+    results = env_ranks([*ARGS, "--batch-size", "12", "--sync", "fsdp", "--max-steps", "2", "--checkpoint-dir",
+                         location, "--output-dir", str(tmp_path)], 2, env=s3_env.env)
+    assert [result.returncode for result in results] == [0, 0], results[0].stderr[-3000:]
+    assert "written (" in results[0].stderr and "from 2 rank(s)" in results[0].stderr, results[0].stderr[-3000:]
+    resumed = run([sys.executable, "-m", "trainer", *ARGS, "--batch-size", "24", "--sync", "fsdp", "--checkpoint-dir",
+                   location, "--output-dir", str(tmp_path)], env=s3_env.env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert summary(tmp_path)["resumed_from"] == f"{location}/step-00000002"
+    order = global_order(tmp_path, 2, 0, 2) + global_order(tmp_path, 1, 2, 10**9)
+    assert order == ResumableDistributedSampler(range(SIZE), 1, 0, seed=7).epoch_order()
+
+
+def test_compile_over_a_sharded_model_trains_the_same_steps(tmp_path):
+    """torch.compile wraps the FSDP model (inductor's CPU code: about half a minute to build on 2 cores)."""
+    extra = ["--batch-size", "12", "--max-steps", "3"]
+    launch(2, tmp_path / "eager", *extra)
+    compiled = launch(2, tmp_path / "compiled", *extra, "--compile")
+    assert "--sync fsdp: " in compiled.stderr
+    eager = newest_checkpoint(tmp_path / "eager" / "checkpoints")[2]
+    assert_close(newest_checkpoint(tmp_path / "compiled" / "checkpoints")[2], eager)

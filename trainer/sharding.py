@@ -1,0 +1,220 @@
+"""Sharded data parallel (FSDP2, ``torch.distributed.fsdp.fully_shard``): each rank keeps 1/N of the
+parameters, their gradients and the optimizer's state, and gathers one sharding unit at a time, just in time
+for its forward and backward (the next unit's gather is prefetched while the current one computes).
+
+``--sync fsdp`` shards over every rank; ``--sync hsdp`` shards within a node and replicates across nodes (a
+2-D mesh: the gathers stay on the node's fast links, and only the gradients' reduction crosses nodes).
+
+Units: by default the repeated blocks of the model, the children of each ``nn.ModuleList`` and
+``nn.Sequential`` that hold parameters (a transformer's layers, a ResNet's stages), then the root for what is
+left. A task may name its own with ``shard_units(model)`` (docs/tasks.md).
+
+A model too large for one rank is built on the meta device (``--meta-init``), sharded, and only then given
+memory: each rank allocates its own shards. Its weights are initialised module by module, each module's own
+tensors materialised in full for the moment of its initialisation (a layer, never the model), so that the
+sharded model starts with exactly the weights a plain build would have given, at any world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from trainer.distributed import Runtime
+from trainer.errors import ConfigError, TaskError
+from trainer.gradsync import GradSync, SyncOptions
+from trainer.seams import SYNC_METHODS
+
+__all__ = ["FSDPSync", "HSDPSync", "default_units", "initialise_on_device", "local_rows"]
+
+REDUCED_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class FSDPSync(GradSync):
+    """Parameters, gradients and optimizer state sharded over all ranks (ZeRO-3)."""
+
+    name = "fsdp"
+    sharded = True
+
+    def __init__(self, runtime: Runtime, options: SyncOptions | None = None) -> None:
+        super().__init__(runtime, options)
+        self.mesh: DeviceMesh | None = None
+        self.units: list[str] = []  # the sharding units' names in the model, for the log and the tests
+        self.fp32_norms = 0  # BatchNorm layers sharded apart to compute in fp32 under a reduced --precision
+
+    def device_mesh(self) -> DeviceMesh:
+        return init_device_mesh(self.runtime.device.type, (self.runtime.identity.world_size,),
+                                mesh_dim_names=("shard",))
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        if not any(parameter.requires_grad for parameter in model.parameters()):
+            raise TaskError(f"--sync {self.name}: the model has no trainable parameters to shard")
+        self.mesh = self.device_mesh()
+        units = self._units(model)
+        policy = _policy(self.options.precision)
+        names = {module: name for name, module in model.named_modules()}
+        if policy.param_dtype is not None:
+            # BatchNorm's running statistics are fp32 buffers, which the policy does not cast, and the CPU kernel
+            # refuses bf16 weights beside them: each BatchNorm is a unit of its own, computed in fp32 (its input
+            # cast up) and handing the next layer the reduced type, as autocast would.
+            norms = [module for module in model.modules() if isinstance(module, _BatchNorm) and module is not model]
+            for norm in norms:
+                fully_shard(norm, mesh=self.mesh, mp_policy=MixedPrecisionPolicy(
+                    param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=policy.param_dtype))
+            units = [unit for unit in units if unit not in norms]
+            self.fp32_norms = len(norms)
+        # Innermost first: a unit inside another unit is sharded on its own, and the outer one keeps the rest.
+        for module in sorted(units, key=lambda unit: -names[unit].count(".")):
+            fully_shard(module, mesh=self.mesh, mp_policy=policy)
+        fully_shard(model, mesh=self.mesh, mp_policy=policy)
+        self.units = [names[unit] for unit in units]
+        return model
+
+    def _units(self, model: nn.Module) -> list[nn.Module]:
+        chooser = self.options.units
+        if chooser is None:
+            return default_units(model)
+        chosen = chooser(model)
+        inside = {id(module) for module in model.modules()}
+        if not isinstance(chosen, list | tuple) or not all(isinstance(unit, nn.Module) for unit in chosen):
+            raise TaskError(f"{self.options.owner}: shard_units(model) must return a list of the model's modules, "
+                            f"got {type(chosen).__name__}")
+        if not chosen:
+            raise TaskError(f"{self.options.owner}: shard_units(model) matched no module; return the model's "
+                            f"repeated blocks, or remove shard_units to use the default rule (docs/tasks.md)")
+        strangers = [type(unit).__name__ for unit in chosen if id(unit) not in inside or unit is model]
+        if strangers:
+            raise TaskError(f"{self.options.owner}: shard_units(model) returned {', '.join(strangers)}, not a "
+                            f"submodule of the model (the root is always a unit of its own)")
+        return list(dict.fromkeys(chosen))
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager[object]:
+        return _without_gradient_sync(model)
+
+    def describe(self) -> str:
+        shape = "x".join(map(str, self.mesh.shape)) if self.mesh is not None else "?"
+        norms = f" ({self.fp32_norms} BatchNorm unit(s) in fp32)" if self.fp32_norms else ""
+        return f"{len(self.units)} unit(s) and the root{norms}, mesh {shape}"
+
+
+class HSDPSync(FSDPSync):
+    """Sharded within each node, replicated across nodes: a (nodes x ranks per node) mesh."""
+
+    name = "hsdp"
+
+    def device_mesh(self) -> DeviceMesh:
+        identity = self.runtime.identity
+        per_node = identity.local_world_size
+        if per_node < 1 or identity.world_size % per_node:
+            raise ConfigError(f"--sync hsdp shards within a node: the world size {identity.world_size} is not a "
+                              f"multiple of the ranks per node ({per_node}); start the same number on every node")
+        return init_device_mesh(self.runtime.device.type, (identity.world_size // per_node, per_node),
+                                mesh_dim_names=("replicate", "shard"))
+
+
+SYNC_METHODS.add(FSDPSync.name, FSDPSync, "sharded parameters, gradients and optimizer state (FSDP2)")
+SYNC_METHODS.add(HSDPSync.name, HSDPSync, "sharded within a node, replicated across nodes (FSDP2, 2-D mesh)")
+
+
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """The children of every ``nn.ModuleList`` and ``nn.Sequential`` in the model that hold parameters."""
+    units = []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList | nn.Sequential):
+            units.extend(child for child in module.children() if any(True for _ in child.parameters()))
+    return [unit for unit in dict.fromkeys(units) if unit is not model]
+
+
+def _policy(precision: str) -> MixedPrecisionPolicy:
+    """--precision bf16/fp16: parameters gathered in that type for compute, gradients reduced in fp32."""
+    if precision in REDUCED_PRECISION:
+        return MixedPrecisionPolicy(param_dtype=REDUCED_PRECISION[precision], reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+@contextmanager
+def _without_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """A non-final micro-step: gradients accumulate unsharded-reduced on each rank (no reduce-scatter)."""
+    fsdp = _fsdp_inside(model)
+    if fsdp is None:
+        yield
+        return
+    fsdp.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        fsdp.set_requires_gradient_sync(True)
+
+
+def _fsdp_inside(model: nn.Module) -> FSDPModule | None:
+    while not isinstance(model, FSDPModule):
+        inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+        if inner is None:
+            return None
+        model = inner
+    return model
+
+
+def local_rows(tensor: DTensor) -> tuple[int, int]:
+    """The rows of the full tensor that this rank's shard holds: (first, count). FSDP2 shards dim 0 only."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    if any(offset[1:]) or tuple(shape[1:]) != tuple(tensor.shape[1:]):
+        raise ValueError(f"a tensor sharded on a dimension other than 0 ({tensor.placements})")
+    return int(offset[0]) if offset else 0, int(shape[0]) if shape else 1
+
+
+def initialise_on_device(model: nn.Module, device: torch.device, init: Callable[[nn.Module], None] | None,
+                         owner: str) -> int:
+    """Give a meta-built, sharded model memory on ``device`` (its own shards only) and initialise every module
+    that owns tensors: the task's ``init_weights(module)``, else the module's ``reset_parameters()``. Each
+    module's sharded parameters are materialised in full while it is initialised (the same random draws, in the
+    same order, as a plain build), then cut to this rank's rows. Returns the bytes this rank allocated."""
+    missing = [f"{name or 'the root'} ({type(module).__name__})" for name, module in model.named_modules()
+               if _owns_tensors(module) and init is None and not hasattr(module, "reset_parameters")]
+    if missing:
+        raise TaskError(f"{owner}: --meta-init builds the model without weights, and module(s) "
+                        f"{', '.join(missing[:5])} own parameters or buffers but have no reset_parameters(); give "
+                        f"the task an init_weights(module) (docs/tasks.md) or pass --meta-init off")
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for module in model.modules():
+            if _owns_tensors(module):
+                _initialise_module(module, init or _reset)
+    return sum(_local(tensor).nbytes for tensor in [*model.parameters(), *model.buffers()])
+
+
+def _owns_tensors(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
+
+
+def _reset(module: nn.Module) -> None:
+    module.reset_parameters()  # type: ignore[operator]
+
+
+def _initialise_module(module: nn.Module, init: Callable[[nn.Module], None]) -> None:
+    sharded = {name: parameter for name, parameter in module._parameters.items() if isinstance(parameter, DTensor)}
+    for name, parameter in sharded.items():
+        full = torch.empty(parameter.shape, dtype=parameter.dtype, device=_local(parameter).device)
+        module._parameters[name] = nn.Parameter(full, requires_grad=parameter.requires_grad)
+    try:
+        init(module)
+        for name, parameter in sharded.items():
+            first, count = local_rows(parameter)
+            _local(parameter).copy_(module._parameters[name].detach()[first:first + count])  # type: ignore[index]
+    finally:
+        for name, parameter in sharded.items():
+            module._parameters[name] = parameter  # FSDP's own sharded parameter, as it was registered
+
+
+def _local(tensor: Any) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
