@@ -169,10 +169,26 @@ class OutputConfig:
     progress: str = option("auto", "progress bar on rank 0: auto (when a terminal), on, off", ("auto", "on", "off"))
     tensorboard: bool = option(True, "write TensorBoard event files")
     sample_log: bool = option(False, "record every training sample index each rank consumes (audit of resume)")
+    profile_steps: str = option("", "A-B: write a torch.profiler trace of optimizer steps A to B (counted from the "
+                                    "run's first, 1-based, resumes included) for each rank to OUTPUT_DIR/profiles; "
+                                    "on CUDA a memory snapshot too")
 
     def __post_init__(self) -> None:
         check(self.log_every >= 1, "--log-every must be >= 1")
         check_choice(self.progress, "progress", ("auto", "on", "off"))
+        self.profile_range  # noqa: B018 - validates the flag now
+
+    @property
+    def profile_range(self) -> tuple[int, int] | None:
+        """--profile-steps as (first, last) optimizer steps, both included; None when off."""
+        if not self.profile_steps.strip():
+            return None
+        first, dash, last = self.profile_steps.strip().partition("-")
+        if not (dash and first.strip().isdigit() and last.strip().isdigit()
+                and 1 <= int(first) <= int(last)):
+            raise ConfigError(f"--profile-steps must be A-B, optimizer steps with 1 <= A <= B (for example 10-12), "
+                              f"got {self.profile_steps!r}")
+        return int(first), int(last)
 
 
 SECTIONS: dict[str, type] = {

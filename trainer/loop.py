@@ -27,6 +27,7 @@ from trainer.first_batch import check_first_batches
 from trainer.gradsync import broadcast_buffers
 from trainer.position import TrainingPosition
 from trainer.preemption import PreemptionWatcher
+from trainer.profiling import StepProfiler
 from trainer.redact import redacted
 from trainer.report import MetricsWriter, ProgressDisplay
 from trainer.task import call_task, to_device
@@ -55,6 +56,8 @@ class Trainer:
         self.metrics = agreed(runtime, lambda: MetricsWriter(self.output_dir, runtime.is_main,
                                                              config.output.tensorboard), OutputError)
         self.progress = ProgressDisplay(config.output.progress, runtime.is_main, log)
+        self.profiler = StepProfiler(config.output.profile_range, self.output_dir, runtime.identity.rank,
+                                     runtime.device, log)
         self.train_metrics = setup.metric_set()
         self.eval_metrics = setup.metric_set()
         self._last_saved_step = -1
@@ -145,6 +148,7 @@ class Trainer:
                 final_micro = micro + 1 == group_size
                 if micro == 0:  # every rank's real samples in this optimizer step: known here, no collective
                     step_samples = sum(size for _, size in shares[index:index + group_size])
+                    self.profiler.before_step(self.position.step + 1)
                 mine, global_samples = shares[index]
                 inputs, targets = setup.inputs_on_device(inputs), to_device(targets, runtime.device)
                 if not primed:
@@ -171,6 +175,7 @@ class Trainer:
                     continue
                 micro = 0
                 lr = self._optimizer_step()
+                self.profiler.after_step(self.position.step)
                 self.progress.step()  # the loss is shown at log steps only: reading it waits for the device
                 if self.position.step % config.output.log_every == 0:
                     self._log_window(lr, time.perf_counter() - window_started)
@@ -194,6 +199,7 @@ class Trainer:
                 self.position.epoch += 1
                 self.position.samples_in_epoch = 0
             self.save_checkpoint(metrics=result)
+        self.profiler.finish()  # --profile-steps past the last step: what was recorded
         if result is None:  # nothing left to train: the checkpoint was already complete
             result = self._evaluate(self.position.epoch - 1)
         self.checkpoints.finish()
@@ -279,6 +285,7 @@ class Trainer:
         self._sample_log.flush()
 
     def close(self) -> None:
+        self.profiler.finish()  # a run stopped inside the profiled steps (preempted, failed) keeps its trace
         for loader in (self.setup.train_loader, self.setup.eval_loader):
             stop_workers(loader)
         self.metrics.close()

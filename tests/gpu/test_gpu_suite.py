@@ -158,3 +158,35 @@ def test_a_timed_out_nccl_collective_is_diagnosed_with_a_dump_before_nccl_aborts
                        str(tmp_path)], nproc=2, timeout_s=300)
     assert "exiting with 200" in result.stderr and "SIGABRT" not in result.stderr, result.stderr[-4000:]
     assert (tmp_path / "flight-recorder" / "rank-0").is_file() and (tmp_path / "flight-recorder" / "rank-1").is_file()
+
+
+@pytest.mark.parametrize("flags", [["--precision", "bf16"], ["--precision", "fp16"], ["--precision", "bf16",
+                                                                                      "--compile"]],
+                         ids=["bf16", "fp16", "bf16-compile"])
+def test_fsdp_trains_on_one_gpu_over_nccl_with_mixed_precision(tmp_path, flags):
+    """--sync fsdp at one rank over NCCL: the mesh, the parameters gathered in the reduced type, the fp16 grad
+    scaler over DTensors, compile over the sharded model; a format-4 checkpoint the CPU reads."""
+    result = train(tmp_path / "run", "--epochs", "1", "--sync", "fsdp", *flags)
+    assert "device cuda:0, backend nccl" in result.stderr and "--sync fsdp: " in result.stderr
+    assert summary(tmp_path / "run")["global_step"] == STEPS
+    assert math.isfinite(summary(tmp_path / "run")["test_metrics"]["loss"])
+    _, manifest, state = newest_checkpoint(tmp_path / "run" / "checkpoints")
+    assert manifest["format"] == 4
+    assert all(tensor.device.type == "cpu" for tensor in state["model"].values())
+
+
+def test_a_sharded_gpu_checkpoint_resumes_on_the_cpu_and_converts_to_ddp(tmp_path):
+    """A format-4 checkpoint written from CUDA shards, resumed by a CPU run under fsdp, then by a GPU run
+    under ddp: the same samples, tensors within float32 tolerances of three uninterrupted GPU epochs."""
+    train(tmp_path / "uninterrupted", "--epochs", "3", "--cudnn-benchmark", "off", "--channels-last", "off",
+          "--sync", "fsdp")
+    output = tmp_path / "moved"
+    train(output, "--epochs", "1", "--cudnn-benchmark", "off", "--channels-last", "off", "--sync", "fsdp")
+    on_cpu = train(output, "--epochs", "2", "--device", "cpu", "--channels-last", "off", "--sync", "fsdp")
+    assert "device cpu, backend gloo" in on_cpu.stderr
+    train(output, "--epochs", "3", "--cudnn-benchmark", "off", "--channels-last", "off", "--sync", "ddp")
+    _, _, moved = newest_checkpoint(output / "checkpoints")
+    _, _, straight = newest_checkpoint(tmp_path / "uninterrupted" / "checkpoints")
+    assert moved["position"] == straight["position"] and moved["position"]["step"] == 3 * STEPS
+    for part in ("model", "optimizer"):
+        assert_close_tensors(moved[part], straight[part], part)
