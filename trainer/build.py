@@ -221,11 +221,7 @@ def state_parts(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torc
         model.load_state_dict(fit(saved, model.state_dict(), context.shards))
 
     def restore_optimizer(saved: dict[str, Any], context: RestoreContext) -> None:
-        fitted = fit(saved, _optimizer_template(saved, optimizer), context.shards)
-        for group, now in zip(fitted.get("param_groups", []), optimizer.param_groups, strict=False):
-            if group.get("fused") and not now.get("fused"):
-                group["fused"] = now.get("fused")  # a fused kernel this run cannot use on its sharded parameters
-        optimizer.load_state_dict(fitted)
+        optimizer.load_state_dict(fit(saved, _optimizer_template(saved, optimizer), context.shards))
 
     # Only the optimizer step changes the parameters (buffers such as BatchNorm's statistics change in the
     # forward pass) and the optimizer's state: an asynchronous save copies those during the next step.

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from trainer.config import OptimConfig
-from trainer.optimizers import build_optimizer
+from trainer.optimizers import build_optimizer, keep_refused_kernels_off
 
 
 def conv_weight(memory_format: torch.memory_format, seed: int = 0) -> nn.Parameter:
@@ -46,3 +46,21 @@ def test_state_saved_in_another_layout_is_laid_out_like_its_parameter_and_update
         optimizer.step()
         resumed.step()
     assert torch.equal(restored.detach(), original.detach())
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_a_resume_keeps_the_checkpoints_fused_kernel_unless_this_run_refused_it(name):
+    """--no-fused-optimizer builds with fused=None: a fused checkpoint goes on fused (bitwise like before). A group
+    built with fused=False (SGD on sharded parameters, whose fused kernel torch cannot run) stays unfused."""
+    saved_from = build_optimizer(OptimConfig(optimizer=name), [nn.Parameter(torch.ones(3))], 1e-2)
+    assert saved_from.param_groups[0]["fused"]
+    saved = copy.deepcopy(saved_from.state_dict())
+    unchosen = build_optimizer(OptimConfig(optimizer=name, fused_optimizer=False), [nn.Parameter(torch.ones(3))], 1e-2)
+    assert unchosen.param_groups[0]["fused"] is None
+    unchosen.load_state_dict(saved)
+    assert unchosen.param_groups[0]["fused"] is True
+    refused = torch.optim.SGD([nn.Parameter(torch.ones(3))], lr=1e-2, fused=False)
+    refused.register_load_state_dict_pre_hook(keep_refused_kernels_off)
+    refused.load_state_dict(saved)
+    assert refused.param_groups[0]["fused"] is False
+    assert saved["param_groups"][0]["fused"] is True  # the checkpoint's own dict is left as it was
