@@ -95,7 +95,7 @@ def verify(storage: CheckpointStorage, name: str) -> LoadedCheckpoint:
     if not storage.exists(name, MANIFEST):
         raise InvalidCheckpoint("no manifest (the save did not finish)" if storage.has_folder(name)
                                 else "no such checkpoint folder")
-    manifest, _, _, version = _read_manifest(storage, name)
+    manifest, version = _read_manifest(storage, name)
     data = _checked_read(storage, name, STATE_FILE, manifest)
     try:
         # weights_only: a checkpoint on shared storage must not be able to run code when loaded.
@@ -141,15 +141,16 @@ def _checked_read(storage: CheckpointStorage, name: str, filename: str, manifest
     return data
 
 
-def _read_manifest(storage: CheckpointStorage, name: str) -> tuple[dict[str, Any], int, str, int]:
-    """The manifest, the size and checksum it promises for the state file, and its format."""
+def _read_manifest(storage: CheckpointStorage, name: str) -> tuple[dict[str, Any], int]:
+    """The manifest and its format; its entry for the state file checked here, where its faults have their
+    messages (the file itself is read by _checked_read)."""
     try:
         if storage.size(name, MANIFEST) > MAX_MANIFEST_BYTES:
             raise InvalidCheckpoint(f"{MANIFEST} is larger than any manifest this trainer writes "
                                     f"({MAX_MANIFEST_BYTES} bytes at most)")
         manifest = json.loads(storage.read(name, MANIFEST))
         expected = manifest["files"][STATE_FILE]
-        size, checksum = int(expected["bytes"]), str(expected["crc32"])
+        int(expected["bytes"]), str(expected["crc32"])  # both present, the size a number: or the errors below
         version = manifest.get("format")
     except NotAFile as problem:
         raise InvalidCheckpoint(str(problem)) from None
@@ -168,7 +169,7 @@ def _read_manifest(storage: CheckpointStorage, name: str) -> tuple[dict[str, Any
             f"{', '.join(map(str, READABLE))})" + ("; it was written by a newer ddp-deploy: upgrade this one" if newer
                                                    else "") + "; or pass --resume none or another --checkpoint-dir to "
             "start afresh (the checkpoints there are kept)")
-    return manifest, size, checksum, version
+    return manifest, version
 
 
 def _load_failure(error: Exception) -> str:
@@ -336,12 +337,7 @@ class CheckpointManager:
             state.versions = library_versions()
             raw, described = state.to_dict(), state.manifest(metrics)
         self._copied = None
-        self._writer = threading.Thread(target=self._write_sharded,
-                                        args=(name, temporary, local, split.rows, raw, described),
-                                        name="checkpoint-writer", daemon=True)
-        self._writer_deadline = time.monotonic() + self.config.checkpoint_timeout_s
-        self._writer_name = name
-        self._writer.start()
+        self._launch_writer(name, self._write_sharded, (name, temporary, local, split.rows, raw, described))
         if not self.config.async_checkpoint:
             self._raise_everywhere(*self._wait_for_writer())
 
@@ -376,23 +372,7 @@ class CheckpointManager:
             files = {shards.shard_file(r): report[0] for r, report in enumerate(reports) if report[0] is not None}
             raw["shards"] = {"files": {shards.shard_file(r): report[1] for r, report in enumerate(reports)
                                        if report[0] is not None}}
-            every_file: dict[str, dict[str, Any]] = {}
-
-            def make_manifest(described: dict[str, dict[str, Any]]) -> bytes:
-                every_file.update(described)
-                manifest = {"format": SHARDED_FORMAT, **manifest_extra, "created_unix": time.time(),
-                            "files": described}
-                return json.dumps(manifest, indent=2).encode()
-
-            self._check_lease()
-            self.storage.commit(temporary, name, {STATE_FILE: lambda handle: save_state(raw, handle)}, files,
-                                make_manifest)
-            self.last_timing.write_s = time.perf_counter() - started
-            self.last_timing.bytes = sum(int(entry["bytes"]) for entry in every_file.values())
-            self.log.info("checkpoint %s written (%.1f MB in %d file(s) from %d rank(s), %.2fs)",
-                          self.storage.describe(name), self.last_timing.bytes / 1e6, len(every_file),
-                          len(files), self.last_timing.write_s)
-            self._prune(written=name)
+            self._write(name, raw, manifest_extra, started, temporary, files)
         except CheckpointError as problem:
             self._writer_error = str(problem)
         except Exception as problem:  # noqa: BLE001 - reported to every rank by the next save or finish
@@ -401,10 +381,11 @@ class CheckpointManager:
     def _start_writer(self, name: str, state: dict[str, Any], manifest_extra: dict[str, Any],
                       later: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self._copied = threading.Event()
+        self._launch_writer(name, self._write_in_background, (name, state, manifest_extra, later, self._copied))
+
+    def _launch_writer(self, name: str, target: Callable[..., None], args: tuple[Any, ...]) -> None:
         # A daemon: a write stuck in a hung file system must not keep the process from exiting.
-        self._writer = threading.Thread(target=self._write_in_background,
-                                        args=(name, state, manifest_extra, later, self._copied),
-                                        name="checkpoint-writer", daemon=True)
+        self._writer = threading.Thread(target=target, args=args, name="checkpoint-writer", daemon=True)
         self._writer_deadline = time.monotonic() + self.config.checkpoint_timeout_s
         self._writer_name = name
         self._writer.start()
@@ -499,23 +480,30 @@ class CheckpointManager:
         error, self._writer_error = self._writer_error, None
         return error, False
 
-    def _write(self, name: str, state: dict[str, Any], manifest_extra: dict[str, Any]) -> None:
-        started = time.perf_counter()
+    def _write(self, name: str, state: dict[str, Any], manifest_extra: dict[str, Any], started: float | None = None,
+               temporary: str | None = None, shard_files: dict[str, dict[str, Any]] | None = None) -> None:
+        """Write the state file and the manifest, commit, prune. A sharded save gives the temporary folder its
+        ranks wrote their ``shard_files`` into (each one's size and crc32), and when it started."""
+        started = time.perf_counter() if started is None else started
+        shard_files = shard_files or {}
         written: dict[str, dict[str, Any]] = {}
 
         def make_manifest(files: dict[str, dict[str, Any]]) -> bytes:
             written.update(files)
-            manifest = {"format": FORMAT, **manifest_extra, "created_unix": time.time(), "files": files}
+            manifest = {"format": SHARDED_FORMAT if shard_files else FORMAT, **manifest_extra,
+                        "created_unix": time.time(), "files": files}
             return json.dumps(manifest, indent=2).encode()
 
         self._check_lease()
         # torch.save streams straight into the temporary file (through the checksum): no serialised copy
         # of the whole state in memory, no second pass to hash it.
-        self.storage.write(name, {STATE_FILE: lambda handle: save_state(state, handle)}, make_manifest)
+        self.storage.commit(temporary or self.storage.begin(name), name,
+                            {STATE_FILE: lambda handle: save_state(state, handle)}, shard_files, make_manifest)
         self.last_timing.write_s = time.perf_counter() - started
-        self.last_timing.bytes = written[STATE_FILE]["bytes"]
-        self.log.info("checkpoint %s written (%.1f MB in %.2fs)", self.storage.describe(name),
-                      self.last_timing.bytes / 1e6, self.last_timing.write_s)
+        self.last_timing.bytes = sum(int(entry["bytes"]) for entry in written.values())
+        sharded = f" in {len(written)} files from {len(shard_files)} rank(s)" if shard_files else ""
+        self.log.info("checkpoint %s written (%.1f MB%s in %.2fs)", self.storage.describe(name),
+                      self.last_timing.bytes / 1e6, sharded, self.last_timing.write_s)
         self._prune(written=name)
 
     def _prune(self, written: str) -> None:
