@@ -153,8 +153,9 @@ def build_training(config: Config, task: RunTask, runtime: Runtime,
     owner = f"task {task.describe()}"
     sync = build_grad_sync(config.train.sync, runtime, SyncOptions(
         config.optim.precision, getattr(instance, "shard_units", None), owner))
+    init_weights = getattr(instance, "init_weights", None)  # optional in the task protocol (docs/tasks.md)
     meta = sync.sharded and (config.model.meta_init == "on" or (config.model.meta_init == "auto"
-                                                                and hasattr(instance, "init_weights")))
+                                                                and init_weights is not None))
     model = agreed(runtime, lambda: _task_model(task, instance, data, meta), TaskError)
     if config.model.sync_bn and identity.world_size > 1:
         model = convert_sync_batchnorm(model, device)
@@ -184,8 +185,7 @@ def build_training(config: Config, task: RunTask, runtime: Runtime,
     if meta:
         with isolated():  # the weights a plain build draws right after seed_everything(seed)
             seed_everything(seed)
-            held = agreed(runtime, lambda: initialise_on_device(model, device, getattr(instance, "init_weights", None),
-                                                                owner), TaskError)
+            held = agreed(runtime, lambda: initialise_on_device(model, device, init_weights, owner), TaskError)
         if identity.is_main:
             log.info("--meta-init: model built on the meta device; rank 0 allocated %.1f MB of its shards", held / 1e6)
     if sync.sharded and identity.is_main:

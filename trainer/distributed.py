@@ -21,7 +21,7 @@ from trainer.launchers import DistIdentity
 from trainer.liveness import PROGRESS_GRACE_S, Liveness
 
 __all__ = ["Runtime", "StopVote", "agree", "agreed", "any_rank", "broadcast_from_main", "choose_backend",
-           "choose_device", "gather_to_main", "process_group"]
+           "choose_device", "gather_to_main", "largest", "process_group"]
 
 T = TypeVar("T")
 
@@ -235,12 +235,21 @@ def process_group(config: DistConfig, identity: DistIdentity, device: torch.devi
         destroy_process_group()
 
 
-def _all_ranks_flag(flag: bool, op: dist.ReduceOp.RedOpType, runtime: Runtime) -> bool:
+def _all_ranks_number(number: int, op: dist.ReduceOp.RedOpType, runtime: Runtime) -> int:
     if runtime.control is None:
-        return flag  # no other rank to ask: no collective
-    value = torch.tensor([1 if flag else 0], dtype=torch.int32)  # on the CPU: the control group is gloo's
+        return number  # no other rank to ask: no collective
+    value = torch.tensor([number], dtype=torch.int64)  # on the CPU: the control group is gloo's
     dist.all_reduce(value, op=op, group=runtime.control)
-    return bool(value.item())
+    return int(value.item())
+
+
+def _all_ranks_flag(flag: bool, op: dist.ReduceOp.RedOpType, runtime: Runtime) -> bool:
+    return bool(_all_ranks_number(1 if flag else 0, op, runtime))
+
+
+def largest(number: int, runtime: Runtime) -> int:
+    """The largest of every rank's number (a count of batches, say)."""
+    return _all_ranks_number(number, dist.ReduceOp.MAX, runtime)
 
 
 def agree(ok: bool, runtime: Runtime) -> bool:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from trainer.distributed import Runtime
+from trainer.distributed import Runtime, largest
 from trainer.errors import TaskError
 from trainer.gradsync import broadcast_buffers, unwrap
 from trainer.metrics import REDUCTIONS, Mean, Metric
@@ -112,7 +112,7 @@ def evaluate(model: nn.Module, loader: DataLoader[Any], task: Any, metrics: Metr
     spare = None
     batches = 0
     # Agreed before the first forward: a rank still in its own batches would wait in a gather meanwhile.
-    most = _most_batches(len(loader), runtime) if lockstep else 0
+    most = largest(len(loader), runtime) if lockstep else 0
     with torch.no_grad():
         for inputs, targets in loader:
             inputs = inputs_on_device(inputs) if inputs_on_device else to_device(inputs, runtime.device)
@@ -131,14 +131,6 @@ def evaluate(model: nn.Module, loader: DataLoader[Any], task: Any, metrics: Metr
                     plain(spare)
     plain.train()
     return metrics.compute(runtime)
-
-
-def _most_batches(batches: int, runtime: Runtime) -> int:
-    if runtime.identity.world_size == 1:
-        return batches
-    count = torch.tensor([batches], dtype=torch.int64)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=runtime.control)
-    return int(count.item())
 
 
 def detached(outputs: Any) -> Any:

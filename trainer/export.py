@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from trainer.checkpoint import InvalidCheckpoint, open_storage, verify
-from trainer.checkpoint.manager import UnknownFormat
+from trainer.checkpoint import InvalidCheckpoint
+from trainer.checkpoint.manager import UnknownFormat, verify_path
 from trainer.checkpoint.shards import fit
 from trainer.errors import EXIT_OK, EXIT_USAGE
 
@@ -31,12 +31,8 @@ class ExportError(Exception):
 
 def export_weights(checkpoint: str, output: str) -> int:
     """Write the checkpoint's model weights to ``output``; returns the number of tensors written."""
-    folder = checkpoint.rstrip("/")
-    if folder.endswith(("/state.pt", "/manifest.json")):
-        folder = folder.rsplit("/", 1)[0]
-    parent, _, name = folder.rpartition("/")
     try:
-        loaded = verify(open_storage(parent or "."), name)
+        loaded = verify_path(checkpoint)
         source = loaded.shard_source()
         weights = fit(loaded.state.model, None, source)
     except (InvalidCheckpoint, UnknownFormat, ValueError) as problem:

@@ -170,7 +170,7 @@ def build_grad_sync(name: str, runtime: Runtime, options: SyncOptions | None = N
     return SYNC_METHODS.get(name)(runtime, options)
 
 
-def _layers(model: nn.Module) -> Iterator[nn.Module]:
+def layers(model: nn.Module) -> Iterator[nn.Module]:
     """The model, then each module it wraps, outermost first: torch.compile's, DDP's or DataParallel's."""
     while True:
         yield model
@@ -184,13 +184,13 @@ def _layers(model: nn.Module) -> Iterator[nn.Module]:
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The plain module inside DDP, DataParallel or torch.compile wrappers: what checkpoints hold."""
-    *_, plain = _layers(model)
+    *_, plain = layers(model)
     return plain
 
 
 def _ddp_inside(model: nn.Module) -> DistributedDataParallel | None:
     """The DDP wrapper of a model that may also be compiled (torch.compile wraps DDP, see trainer.build)."""
-    return next((layer for layer in _layers(model) if isinstance(layer, DistributedDataParallel)), None)
+    return next((layer for layer in layers(model) if isinstance(layer, DistributedDataParallel)), None)
 
 
 def broadcast_state(model: nn.Module, runtime: Runtime) -> None:

@@ -30,7 +30,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from trainer.distributed import Runtime
 from trainer.errors import ConfigError, TaskError
-from trainer.gradsync import GradSync, SyncOptions
+from trainer.gradsync import GradSync, SyncOptions, layers
 from trainer.seams import SYNC_METHODS
 
 __all__ = ["FSDPSync", "HSDPSync", "default_units", "initialise_on_device", "local_rows"]
@@ -155,12 +155,8 @@ def _without_gradient_sync(model: nn.Module) -> Iterator[None]:
 
 
 def _fsdp_inside(model: nn.Module) -> FSDPModule | None:
-    while not isinstance(model, FSDPModule):
-        inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
-        if inner is None:
-            return None
-        model = inner
-    return model
+    """The FSDP root of a model that may also be compiled (torch.compile wraps it, see trainer.build)."""
+    return next((layer for layer in layers(model) if isinstance(layer, FSDPModule)), None)
 
 
 def local_rows(tensor: DTensor) -> tuple[int, int]:

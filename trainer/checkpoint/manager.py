@@ -115,6 +115,15 @@ def verify(storage: CheckpointStorage, name: str) -> LoadedCheckpoint:
         raise InvalidCheckpoint(str(problem)) from None
 
 
+def verify_path(path: str) -> LoadedCheckpoint:
+    """``verify`` of the checkpoint at ``path``: its folder, or its state file or manifest, local or a URL."""
+    folder = path.rstrip("/")
+    if folder.endswith(f"/{STATE_FILE}") or folder.endswith(f"/{MANIFEST}"):
+        folder = folder.rsplit("/", 1)[0]
+    parent, _, name = folder.rpartition("/")
+    return verify(open_storage(parent or "."), name)
+
+
 def _checked_read(storage: CheckpointStorage, name: str, filename: str, manifest: dict[str, Any]) -> bytes:
     """One of the checkpoint's files, its size and checksum those the manifest promises."""
     try:
@@ -254,12 +263,8 @@ class CheckpointManager:
         return None
 
     def _load_path(self, path: str) -> LoadedCheckpoint:
-        folder = path.rstrip("/")
-        if folder.endswith(f"/{STATE_FILE}") or folder.endswith(f"/{MANIFEST}"):
-            folder = folder.rsplit("/", 1)[0]
-        parent, _, name = folder.rpartition("/")
         try:
-            return verify(open_storage(parent or "."), name)
+            return verify_path(path)
         except InvalidCheckpoint as problem:
             raise CheckpointError(
                 f"--resume {path}: {problem}; pass another checkpoint folder, --resume latest to take the newest "
