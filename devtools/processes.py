@@ -13,7 +13,9 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+import time
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from trainer.launchers import without_launcher_variables
@@ -64,6 +66,21 @@ def kill_session(process: subprocess.Popen[str]) -> None:
     """SIGKILL to every process left in the session that ``process`` leads (it may be gone already)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
+
+
+def wait_until_answers(process: subprocess.Popen, url: str, what: str, timeout_s: float,
+                       output: Callable[[], str] = lambda: "") -> None:
+    """Until ``url`` answers an HTTP GET: a server started as ``process`` is ready. Fails if it exits first
+    (with ``output()``, its log) or stays silent past ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert process.poll() is None, f"{what} exited with {process.returncode}: {output()[-2000:]}"
+        try:
+            urllib.request.urlopen(url, timeout=2).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline, f"{what} did not answer on {url} in {timeout_s:g}s"
+            time.sleep(0.1)
 
 
 def torchrun_command(nproc: int, module: str, args: Sequence[str], extra_torchrun: Sequence[str] = ()

@@ -31,6 +31,7 @@ PUBLIC_MODULES = (
     "trainer.tasks",
     "trainer.doctor",
     "trainer.export",
+    "trainer.tracking",
 )
 __all__ = ["PUBLIC_MODULES", "Task", "TaskData", "__version__", "run"]
 

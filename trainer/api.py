@@ -27,7 +27,8 @@ import torch
 
 from trainer.build import build_training
 from trainer.checkpoint import CheckpointManager, Monitor
-from trainer.cli import dump_yaml, parse_config
+from trainer.checkpoint.storage import CheckpointStorage
+from trainer.cli import dump_yaml, layout, parse_config
 from trainer.config import Config
 from trainer.distributed import (
     Runtime,
@@ -46,6 +47,7 @@ from trainer.errors import (
     OutputError,
     PeerLost,
     Preempted,
+    TrackerError,
     UserError,
     first_line,
     user_message,
@@ -56,10 +58,11 @@ from trainer.launchers import identity_from_env
 from trainer.liveness import PROGRESS_GRACE_S
 from trainer.loop import Trainer
 from trainer.preemption import FORCED_EXIT_CLEANUP_S, PreemptionWatcher
-from trainer.redact import redact
+from trainer.redact import redact, redacted
 from trainer.report import final_line, setup_logging, write_summary, writing
 from trainer.resume import check_resume
 from trainer.task import RunTask
+from trainer.tracking import CheckpointFiles, Tracking
 
 __all__ = ["run", "train"]
 
@@ -141,7 +144,7 @@ def write_config(output_dir: Path, shown_config: str) -> None:
 
 
 def _prepare_and_fit(config: Config, task: RunTask, runtime: Runtime, checkpoints: CheckpointManager,
-                     watcher: PreemptionWatcher, log: logging.Logger, shown_config: str
+                     watcher: PreemptionWatcher, log: logging.Logger, shown_config: str, tracking: Tracking
                      ) -> tuple[dict[str, float], Trainer]:
     checkpoints.prepare()
     # The checkpoint is read, and its fit to this run checked, before the data and model are built.
@@ -151,7 +154,7 @@ def _prepare_and_fit(config: Config, task: RunTask, runtime: Runtime, checkpoint
             log.info("resuming with a change: %s", change)
     setup = build_training(config, task, runtime,
                            None if loaded is None else checkpoint_layout(loaded.state.model))
-    trainer = Trainer(config, runtime, setup, checkpoints, watcher, log)
+    trainer = Trainer(config, runtime, setup, checkpoints, watcher, log, tracking)
     try:
         if loaded is not None:
             # Agreed: under --sync fsdp each rank reads its own shards, and may be the only one to fail.
@@ -159,6 +162,8 @@ def _prepare_and_fit(config: Config, task: RunTask, runtime: Runtime, checkpoint
         # Once the run is known to go ahead: a refused resume leaves the last one's.
         agreed(runtime, lambda: write_config(Path(config.output.output_dir), shown_config) if runtime.is_main
                else None, OutputError)
+        # After the restore: a resumed run continues its tracker runs (their ids are in the checkpoint).
+        agreed(runtime, lambda: tracking.start(redacted(layout(config, task))), TrackerError)
         return trainer.fit(), trainer
     finally:
         trainer.close()
@@ -182,18 +187,33 @@ def train(config: Config, task: RunTask, runtime: Runtime) -> dict[str, object]:
     if runtime.liveness is not None:
         runtime.liveness.watch_progress(config.dist.collective_timeout_s + PROGRESS_GRACE_S,
                                         lambda diagnosis: _exit_stuck(runtime, diagnosis, checkpoints))
-    try:
-        result, trainer = _prepare_and_fit(config, task, runtime, checkpoints, watcher, log, shown_config)
-    except RuntimeError as error:
-        if runtime.liveness is None or not TIMED_OUT.search(str(error)):
-            raise
-        diagnosis = runtime.liveness.diagnose(config.dist.collective_timeout_s)
-        raise PeerLost(diagnosis + _timeout_advice(runtime)) from None
-    finally:
-        checkpoints.close()  # the folder's lease, released whatever happened (a kill leaves it to expire)
-        watcher.uninstall()
-    wall_time_s = time.perf_counter() - started
-    summary = {
+    tracking = Tracking(config.tracking, output_dir, runtime.is_main, log)
+    with tracking.run():  # ends the tracker runs as the training ends: finished, preempted or failed
+        try:
+            result, trainer = _prepare_and_fit(config, task, runtime, checkpoints, watcher, log, shown_config,
+                                               tracking)
+        except RuntimeError as error:
+            if runtime.liveness is None or not TIMED_OUT.search(str(error)):
+                raise
+            diagnosis = runtime.liveness.diagnose(config.dist.collective_timeout_s)
+            raise PeerLost(diagnosis + _timeout_advice(runtime)) from None
+        finally:
+            if tracking.enabled and config.tracking.tracker_checkpoints:
+                tracking.log_checkpoint(_newest_checkpoint(checkpoints.storage))
+            checkpoints.close()  # the folder's lease, released whatever happened (a kill leaves it to expire)
+            watcher.uninstall()
+        summary = _summary(task, result, runtime, trainer, time.perf_counter() - started)
+        agreed(runtime, lambda: write_summary(output_dir, summary) if runtime.is_main else None, OutputError)
+        tracking.log_summary(summary, (output_dir / "config.yaml", output_dir / "summary.json"))
+    if runtime.is_main:
+        print(final_line(summary), flush=True)
+    return summary
+
+
+def _summary(task: RunTask, result: dict[str, float], runtime: Runtime, trainer: Trainer, wall_time_s: float
+             ) -> dict[str, Any]:
+    """summary.json: the final evaluation, where training stands and how fast it went."""
+    return {
         "task": task.name,
         "test_metrics": result,
         **{f"test_{name}": value for name, value in result.items()},
@@ -205,7 +225,14 @@ def train(config: Config, task: RunTask, runtime: Runtime) -> dict[str, object]:
         "wall_time_s": round(wall_time_s, 3),
         "train_samples_per_s": round((trainer.position.samples_seen - trainer.samples_at_start) / wall_time_s, 1),
     }
-    agreed(runtime, lambda: write_summary(output_dir, summary) if runtime.is_main else None, OutputError)
-    if runtime.is_main:
-        print(final_line(summary), flush=True)
-    return summary
+
+
+def _newest_checkpoint(storage: CheckpointStorage) -> CheckpointFiles | None:
+    """The newest committed checkpoint, for --tracker-checkpoints; None when there is none, or it cannot be listed
+    (the upload is a courtesy: it never fails the run)."""
+    try:
+        names = storage.list_checkpoints()
+        return CheckpointFiles(names[0], tuple(storage.files(names[0])),
+                               lambda filename: storage.read(names[0], filename)) if names else None
+    except OSError:
+        return None

@@ -13,10 +13,10 @@ from typing import Any
 from trainer.errors import ConfigError
 from trainer.options import ResumeRule, as_dict, check, check_choice, option
 from trainer.schedule import SCHEDULES
-from trainer.seams import OPTIMIZERS, SYNC_METHODS
+from trainer.seams import OPTIMIZERS, SYNC_METHODS, TRACKERS
 
 __all__ = ["SECTIONS", "CheckpointConfig", "Config", "DataConfig", "DistConfig", "ModelConfig", "OptimConfig",
-           "OutputConfig", "TrainConfig"]
+           "OutputConfig", "TrackingConfig", "TrainConfig"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEFAULT_TASK = "classification"
@@ -172,6 +172,9 @@ class OutputConfig:
     profile_steps: str = option("", "A-B: write a torch.profiler trace of optimizer steps A to B (counted from the "
                                     "run's first, 1-based, resumes included) for each rank to OUTPUT_DIR/profiles; "
                                     "on CUDA a memory snapshot too")
+    memory_snapshot_on_oom: bool = option(False, "on CUDA, record the allocator's history from the start and write "
+                                                 "it to OUTPUT_DIR/profiles/rank-R.oom.memory.pickle if the rank "
+                                                 "runs out of memory (a little slower while on)")
 
     def __post_init__(self) -> None:
         check(self.log_every >= 1, "--log-every must be >= 1")
@@ -191,6 +194,40 @@ class OutputConfig:
         return int(first), int(last)
 
 
+@dataclass
+class TrackingConfig:
+    """Experiment trackers beside metrics.jsonl and TensorBoard (trainer.tracking). None of it changes the training,
+    so a resume may change any of it. Credentials are never settings: each tracker reads its own environment
+    variables (MLFLOW_TRACKING_TOKEN, WANDB_API_KEY, ...)."""
+
+    tracker: str = option("", "experiment trackers that rank 0 reports to as well, comma-separated: "
+                              "mlflow, wandb (metrics.jsonl and TensorBoard are written as always)",
+                          resume=ResumeRule.IGNORE)
+    tracking_uri: str = option("", "MLflow's tracking server (default: MLFLOW_TRACKING_URI)",
+                               resume=ResumeRule.IGNORE)
+    experiment: str = option("", "the MLflow experiment and the W&B project (default: MLFLOW_EXPERIMENT_NAME or "
+                                 "WANDB_PROJECT, else ddp-deploy)", resume=ResumeRule.IGNORE)
+    run_name: str = option("", "the tracker run's name (default: the output folder's name)",
+                           resume=ResumeRule.IGNORE)
+    tracker_checkpoints: bool = option(False, "once the run ends, upload its newest checkpoint to the MLflow run's "
+                                              "artifacts", resume=ResumeRule.IGNORE)
+    tracker_timeout_s: float = option(60.0, "how long a tracker may take to start, and to take the last records at "
+                                            "the end; past it, the start fails (exit 2) and the end warns",
+                                      resume=ResumeRule.IGNORE)
+
+    def __post_init__(self) -> None:
+        for name in self.trackers:
+            check_choice(name, "tracker", TRACKERS)
+        check(len(set(self.trackers)) == len(self.trackers), f"--tracker {self.tracker!r} names a tracker twice")
+        check(not self.tracker_checkpoints or "mlflow" in self.trackers,
+              "--tracker-checkpoints uploads to MLflow; add mlflow to --tracker, or drop --tracker-checkpoints")
+        check(self.tracker_timeout_s > 0, f"--tracker-timeout-s must be > 0, got {self.tracker_timeout_s:g}")
+
+    @property
+    def trackers(self) -> tuple[str, ...]:
+        return tuple(name.strip() for name in self.tracker.split(",") if name.strip())
+
+
 SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "model": ModelConfig,
@@ -199,6 +236,7 @@ SECTIONS: dict[str, type] = {
     "dist": DistConfig,
     "checkpoint": CheckpointConfig,
     "output": OutputConfig,
+    "tracking": TrackingConfig,
 }
 
 
@@ -213,6 +251,7 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:
         if self.optim.precision == "fp16" and self.dist.device == "cpu":

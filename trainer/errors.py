@@ -8,8 +8,9 @@ retried forever, a preemption must be.
 from __future__ import annotations
 
 __all__ = ["EXIT_FAILURE", "EXIT_OK", "EXIT_PEER_LOST", "EXIT_PREEMPTED", "EXIT_RENDEZVOUS", "EXIT_USAGE",
-           "CheckpointError", "ConfigError", "DataError", "DeviceError", "LaunchEnvError", "PeerLost", "Preempted",
-           "RendezvousError", "StorageStalled", "TaskError", "UserError", "described", "first_line"]
+           "CheckpointError", "ConfigError", "DataError", "DeviceError", "LaunchEnvError", "OutOfMemory", "PeerLost",
+           "Preempted", "RendezvousError", "StorageStalled", "TaskError", "TrackerError", "UserError", "described",
+           "first_line"]
 
 EXIT_OK = 0
 EXIT_FAILURE = 1  # an unexpected error: a bug, a traceback is printed
@@ -79,6 +80,15 @@ class DeviceError(UserError):
 
 class TaskError(UserError):
     """The user's task cannot be imported, lacks a part, or one of its parts failed."""
+
+
+class TrackerError(UserError):
+    """An experiment tracker (--tracker) cannot be reached or refuses the run at start; once the run is going,
+    a tracker's failure is a warning, never an error (trainer.tracking)."""
+
+
+class OutOfMemory(UserError):
+    """A rank ran out of device memory: the batch, precision or sharding must change; a retry would fail again."""
 
 
 class PeerLost(UserError):

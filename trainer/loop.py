@@ -11,6 +11,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
@@ -21,23 +22,24 @@ from trainer.checkpoint.parts import RestoreContext, add_run_parts
 from trainer.checkpoint.schema import TaskRecord
 from trainer.config import Config
 from trainer.distributed import Runtime, agreed
-from trainer.errors import CheckpointError, OutputError, Preempted, first_line
+from trainer.errors import CheckpointError, OutOfMemory, OutputError, Preempted, first_line
 from trainer.evaluation import detached, evaluate
 from trainer.first_batch import check_first_batches
 from trainer.gradsync import broadcast_buffers
 from trainer.position import TrainingPosition
 from trainer.preemption import PreemptionWatcher
-from trainer.profiling import StepProfiler
+from trainer.profiling import StepProfiler, out_of_memory_message
 from trainer.redact import redacted
 from trainer.report import MetricsWriter, ProgressDisplay
 from trainer.task import call_task, to_device
+from trainer.tracking import Tracking
 
 Metrics = dict[str, float]
 
 
 class Trainer:
     def __init__(self, config: Config, runtime: Runtime, setup: TrainingSetup, checkpoints: CheckpointManager,
-                 watcher: PreemptionWatcher, log: logging.Logger) -> None:
+                 watcher: PreemptionWatcher, log: logging.Logger, tracking: Tracking) -> None:
         self.config = config
         self.runtime = runtime
         self.setup = setup
@@ -49,6 +51,8 @@ class Trainer:
         self.task_record = TaskRecord(setup.task.name, setup.task.source, redacted(setup.task.options_dict()))
         self.state = setup.state
         add_run_parts(self.state, self.position, self.task_record, redacted(config.to_dict()))
+        self.tracking = tracking
+        self.state.add(tracking.state_part())
         self.resumed_from: str | None = None
         self.samples_at_start = 0  # where this run started (its throughput counts from there)
         self.output_dir = Path(config.output.output_dir)
@@ -57,7 +61,7 @@ class Trainer:
                                                              config.output.tensorboard), OutputError)
         self.progress = ProgressDisplay(config.output.progress, runtime.is_main, log)
         self.profiler = StepProfiler(config.output.profile_range, self.output_dir, runtime.identity.rank,
-                                     runtime.device, log)
+                                     runtime.device, log, config.output.memory_snapshot_on_oom)
         self.train_metrics = setup.metric_set()
         self.eval_metrics = setup.metric_set()
         self._last_saved_step = -1
@@ -118,6 +122,12 @@ class Trainer:
 
     # -- training ------------------------------------------------------------------------------------------
     def fit(self) -> Metrics:
+        try:
+            return self._fit()
+        except torch.OutOfMemoryError as error:  # CUDA's; the snapshot (if asked) before the memory is freed
+            raise OutOfMemory(out_of_memory_message(error, self.position.step, self.profiler.out_of_memory())) from None
+
+    def _fit(self) -> Metrics:
         config, setup, runtime = self.config, self.setup, self.runtime
         world_size = runtime.identity.world_size
         train_size = len(setup.train_sampler.dataset)
@@ -253,8 +263,7 @@ class Trainer:
         with self.runtime.busy("evaluating"):
             result = evaluate(setup.model, setup.eval_loader, setup.instance, self.eval_metrics, self.runtime,
                               setup.autocast, setup.inputs_on_device, lockstep=setup.sync.sharded)
-        record = {**result, "epoch": epoch + 1, "samples_seen": self.position.samples_seen}
-        agreed(self.runtime, lambda: self.metrics.write("test", self.position.step, record), OutputError)
+        self._record("test", {**result, "epoch": epoch + 1, "samples_seen": self.position.samples_seen})
         if self.runtime.is_main:
             where = f"step {self.position.step} (epoch {epoch + 1})" if mid_epoch else f"epoch {epoch + 1}"
             self.log.info("%s: test %s on %d samples", where, _values(result), result["samples"])
@@ -265,12 +274,17 @@ class Trainer:
         values = self.train_metrics.compute(self.runtime)
         samples_per_s = values.pop("samples") / max(elapsed_s, 1e-9)  # every rank's, reduced
         epoch = self.position.epoch + 1
-        record = {**values, "lr": lr, "samples_per_s": samples_per_s, "epoch": epoch,
-                  "samples_seen": self.position.samples_seen}
-        agreed(self.runtime, lambda: self.metrics.write("train", self.position.step, record), OutputError)
+        self._record("train", {**values, "lr": lr, "samples_per_s": samples_per_s, "epoch": epoch,
+                               "samples_seen": self.position.samples_seen})
         self.progress.show_loss(values["loss"])
         self.progress.line(f"epoch {epoch}/{self.config.train.epochs} step {self.position.step} {_values(values)} "
                            f"lr {lr:.2e} {samples_per_s:,.0f} samples/s")
+
+    def _record(self, kind: str, record: Metrics) -> None:
+        """A metrics record to metrics.jsonl and TensorBoard (a failed write ends the run on every rank), then to
+        the experiment trackers (which never wait for nor fail the run)."""
+        agreed(self.runtime, lambda: self.metrics.write(kind, self.position.step, record), OutputError)
+        self.tracking.log_metrics(kind, self.position.step, record)
 
     def _batch_order(self) -> list[list[int]]:
         sampler = self.setup.train_sampler

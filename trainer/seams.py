@@ -11,8 +11,11 @@ from typing import Any
 
 from trainer.registry import Registry
 
-__all__ = ["OPTIMIZERS", "SYNC_METHODS"]
+__all__ = ["OPTIMIZERS", "SYNC_METHODS", "TRACKERS"]
 
 SYNC_METHODS: Registry[Any] = Registry("gradient synchronisation method", "--sync",
                                        home=("trainer.gradsync", "trainer.sharding"))
 OPTIMIZERS: Registry[Any] = Registry("optimizer", "--optimizer", home="trainer.optimizers")
+# Each tracker's module imports its library only when a run starts it: the names are there without the extras.
+TRACKERS: Registry[Any] = Registry("experiment tracker", "--tracker",
+                                   home=("trainer.trackers.mlflow", "trainer.trackers.wandb"))

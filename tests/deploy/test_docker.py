@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tarfile
 import threading
+import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -101,6 +102,7 @@ class Project:
         self.env_file = workdir / "empty.env"
         self.env_file.write_text("")
         self.settings = {"IMAGE": IMAGE, **settings}
+        self.files = [REPO_ROOT / "compose.yaml"]  # and the overrides a test adds (compose.tracking.yaml)
 
     def compose(self, *args: str, timeout_s: float = RUN_TIMEOUT_S, **settings: str
                 ) -> subprocess.CompletedProcess[str]:
@@ -108,9 +110,9 @@ class Project:
                if name in os.environ}
         env.update(self.settings)
         env.update(settings)
-        return docker("compose", "--project-name", self.name, "--project-directory", str(REPO_ROOT),
-                      "--file", str(REPO_ROOT / "compose.yaml"), "--env-file", str(self.env_file), *args,
-                      timeout_s=timeout_s, env=env)
+        files = [argument for path in self.files for argument in ("--file", str(path))]
+        return docker("compose", "--project-name", self.name, "--project-directory", str(REPO_ROOT), *files,
+                      "--env-file", str(self.env_file), *args, timeout_s=timeout_s, env=env)
 
     def rendered(self) -> dict[str, Any]:
         result = self.compose("config", "--format", "json", timeout_s=60)
@@ -211,11 +213,30 @@ def test_compose_defaults_give_two_nodes_of_two_ranks_safely_configured(tmp_path
     assert node["cap_drop"] == ["ALL"] and "no-new-privileges:true" in node["security_opt"]
 
 
+def test_the_tracking_override_runs_an_mlflow_server_the_nodes_reach_by_name(tmp_path):
+    compose_available()
+    project = Project(tmp_path, {"TRAIN_FLAGS": "--tracker=mlflow --experiment=compose", "BUILD_EXTRAS": "mlflow"})
+    project.files.append(REPO_ROOT / "compose.tracking.yaml")
+    rendered = project.rendered()
+    node, server = rendered["services"]["node"], rendered["services"]["mlflow"]
+    assert node["command"][-2:] == ["--tracker=mlflow", "--experiment=compose"], "TRAIN_FLAGS come last"
+    assert node["build"]["args"]["EXTRAS"] == "mlflow", "the image gets MLflow's client"
+    uri = urllib.parse.urlsplit(node["environment"]["MLFLOW_TRACKING_URI"])
+    assert uri.hostname == "mlflow" and node["depends_on"]["mlflow"]["condition"] == "service_healthy"
+    # MLflow answers 403 to a Host header it does not allow; the nodes send the service's name and port.
+    allowed = next(word for word in server["command"] if word.startswith("--allowed-hosts="))
+    assert uri.netloc in allowed.split("=", 1)[1].split(",")
+    assert [port["host_ip"] for port in server["ports"]] == ["127.0.0.1"], "the UI on the host's loopback only"
+    assert {mount["source"] for mount in server["volumes"]} == {"mlflow"}
+    assert "mlflow" not in Project(tmp_path, {}).rendered()["services"], "compose.yaml alone has no server"
+
+
 def test_env_example_lists_every_compose_setting_with_its_default(tmp_path):
     compose_available()
     example = REPO_ROOT / ".env.example"
     listed = {line.split("=", 1)[0] for line in example.read_text().splitlines() if re.match(r"[A-Z_]+=", line)}
-    used = set(re.findall(r"\$\{([A-Z_]+)", (REPO_ROOT / "compose.yaml").read_text())) - {"COMPOSE_PROJECT_NAME"}
+    used = {name for file in ("compose.yaml", "compose.tracking.yaml")
+            for name in re.findall(r"\$\{([A-Z_]+)", (REPO_ROOT / file).read_text())} - {"COMPOSE_PROJECT_NAME"}
     assert listed == used
     project = Project(tmp_path, {})
     defaults = project.rendered()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import urllib.parse
 from pathlib import Path
 
 import kubernetes_validate
@@ -224,6 +225,31 @@ def test_gpu_jobs_train_the_cpu_job_on_cuda_with_nccl(source, tmp_path):
     assert {k: v for k, v in gpu.items() if k != "dist"} == {k: v for k, v in cpu.items() if k != "dist"}
 
 
+def test_the_tracking_overlay_sends_rank_0_to_an_mlflow_server_that_accepts_its_host_name(tmp_path):
+    source = "k8s/overlays/tracking"
+    objects = render(source)
+    plans = pod_plans(job_of(source))
+    configs = [layout(*trainer_config(source, plan, tmp_path)) for plan in plans]
+    assert {config["tracking"]["tracker"] for config in configs} == {"mlflow"}, "every rank, one config"
+    base = layout(*trainer_config("k8s/base", pod_plans(job_of("k8s/base"))[0], tmp_path))
+    def untracked(config: dict) -> dict:
+        return {section: values for section, values in config.items() if section != "tracking"}
+    assert untracked(configs[0]) == untracked(base), "the base job, tracked"
+    env = {item["name"]: item for item in plans[0].container["env"]}
+    uri = urllib.parse.urlsplit(env["MLFLOW_TRACKING_URI"]["value"])
+    (service,) = of_kind(objects, "Service")
+    assert (uri.hostname, uri.port) == (service["metadata"]["name"], service["spec"]["ports"][0]["port"])
+    # Credentials come from a Secret, never from the config or the command line; optional, for a server without.
+    for name, key in (("MLFLOW_TRACKING_USERNAME", "username"), ("MLFLOW_TRACKING_PASSWORD", "password")):
+        assert env[name]["valueFrom"]["secretKeyRef"] == {"name": "mlflow-credentials", "key": key, "optional": True}
+    (server,) = of_kind(objects, "Deployment")
+    (container,) = server["spec"]["template"]["spec"]["containers"]
+    allowed = next(arg for arg in container["args"] if arg.startswith("--allowed-hosts="))
+    assert uri.netloc in allowed.split("=", 1)[1].split(","), "MLflow answers 403 to a Host it does not allow"
+    assert server["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
+    assert server["spec"]["replicas"] == 1 and server["spec"]["strategy"]["type"] == "Recreate", "one SQLite writer"
+
+
 def test_elastic_job_joins_a_c10d_rendezvous_that_closes_when_all_workers_are_in():
     job = job_of("k8s/overlays/elastic")
     spec = job["spec"]
@@ -294,7 +320,7 @@ def test_make_k8s_image_points_every_manifest_and_overlay_at_the_registry(k8s_co
     changed = {path.relative_to(k8s_copy).as_posix() for path, text in before.items() if path.read_text() != text}
     assert changed == {"k8s/components/image/kustomization.yaml", "k8s/pytorchjob.yaml"}
     expected = {PLAIN_DIR: {cpu}, "k8s/base": {cpu}, "k8s/overlays/elastic": {cpu}, "k8s/trainer-v2": {cpu},
-                "k8s/overlays/sharded": {cpu},
+                "k8s/overlays/sharded": {cpu}, "k8s/overlays/tracking": {cpu},
                 "k8s/overlays/gpu-single-node": {cuda}, "k8s/overlays/gpu-multi-node": {cuda},
                 # Local images by design: the one kind loads onto its node, and the example's derived image.
                 "k8s/overlays/kind": {"ddp-deploy:latest"}, "k8s/overlays/example": {"ddp-forecast:latest"}}

@@ -25,8 +25,13 @@ RUN = ["--dataset", "synthetic", "--synthetic-train-size", "512", "--synthetic-t
        "32", "--progress", "off", "--no-tensorboard"]
 
 
+# A task of the tests' own (tests/support/tasks.py) brings its data: the built-in task's data flags are not its.
+TASK_RUN = ["--progress", "off", "--no-tensorboard"]
+
+
 def train(output: Path, *flags: str, nproc: int = 1, module: str = "trainer") -> subprocess.CompletedProcess[str]:
-    result = torchrun([*RUN, "--output-dir", str(output), *flags], nproc=nproc, module=module, timeout_s=400)
+    common = TASK_RUN if "--task" in flags else RUN
+    result = torchrun([*common, "--output-dir", str(output), *flags], nproc=nproc, module=module, timeout_s=400)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 
@@ -190,3 +195,32 @@ def test_a_sharded_gpu_checkpoint_resumes_on_the_cpu_and_converts_to_ddp(tmp_pat
     assert moved["position"] == straight["position"] and moved["position"]["step"] == 3 * STEPS
     for part in ("model", "optimizer"):
         assert_close_tensors(moved[part], straight[part], part)
+
+
+def test_a_profile_on_cuda_holds_the_gpu_kernels_and_a_memory_snapshot_of_the_asked_steps(tmp_path):
+    import json
+    import pickle
+
+    train(tmp_path / "run", "--epochs", "1", "--max-steps", "4", "--profile-steps", "2-3")
+    folder = tmp_path / "run" / "profiles"
+    events = json.loads((folder / "rank-0.pt.trace.json").read_text())["traceEvents"]
+    steps = sorted({int(m.group(1)) for e in events if (m := re.fullmatch(r"ProfilerStep#(\d+)", str(e.get("name"))))})
+    assert steps == [2, 3]
+    assert any(event.get("cat") == "kernel" for event in events), "no CUDA kernel in the trace"
+    snapshot = pickle.loads((folder / "rank-0.memory.pickle").read_bytes())
+    assert snapshot["segments"] and any(snapshot["device_traces"]), "an empty allocator history"
+
+
+def test_running_out_of_gpu_memory_writes_the_allocators_history_and_is_one_line(tmp_path):
+    import pickle
+
+    output = tmp_path / "run"
+    result = torchrun([*TASK_RUN, "--output-dir", str(output), "--task", "tests.support.tasks:OutOfMemoryTask",
+                       "--batch-size", "8", "--epochs", "1", "--memory-snapshot-on-oom"], nproc=1, timeout_s=400)
+    assert result.returncode == 2, result.stderr[-4000:]
+    snapshot = output / "profiles" / "rank-0.oom.memory.pickle"
+    line = [line for line in result.stderr.splitlines() if "error: out of memory at optimizer step 3" in line]
+    assert line and f"the allocator's history is in {snapshot}" in line[0], result.stderr[-4000:]
+    history = pickle.loads(snapshot.read_bytes())
+    # The failed 16 TiB request is the history's last word: an "oom" event.
+    assert any(event["action"] == "oom" for trace in history["device_traces"] for event in trace), "no oom event"

@@ -38,3 +38,19 @@ def test_a_range_past_the_end_is_written_at_the_end_and_a_bad_range_is_one_line(
         assert refused.stderr.strip().splitlines()[-1] == (
             f"[rank 0] error: --profile-steps must be A-B, optimizer steps with 1 <= A <= B (for example 10-12), "
             f"got '{bad}'"), refused.stderr[-2000:]
+
+
+def test_running_out_of_memory_is_one_line_naming_the_step_and_what_to_change(tmp_path):
+    # CUDA's error, raised by the task on the CPU (tests/gpu runs out of a real GPU's memory, snapshot included).
+    result = run([sys.executable, "-m", "trainer", "--task", "tests.support.tasks:OutOfMemoryTask", "--batch-size", "8",
+                  "--epochs", "1", "--progress", "off", "--no-tensorboard", "--output-dir", str(tmp_path),
+                  "--memory-snapshot-on-oom"])
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "[rank 0] error: out of memory at optimizer step 3 (CUDA out of memory. Tried to allocate 16.00 TiB. GPU 0 "
+        "has a total capacity of 0 bytes (raised by the test task on the CPU)); lower --batch-size (with "
+        "--grad-accum to keep the effective batch), use --precision bf16, or shard the model with --sync fsdp; "
+        "--memory-snapshot-on-oom records what held the memory"), result.stderr[-3000:]
+    warning = "--memory-snapshot-on-oom records CUDA's allocator; this run is on cpu, so it records nothing"
+    assert warning in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "profiles").exists()

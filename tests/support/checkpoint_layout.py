@@ -6,6 +6,7 @@ agreed that each change comes with a version bump and an upgrade."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +16,15 @@ from torch import nn
 from trainer.build import state_parts
 from trainer.checkpoint import FORMAT, StateParts, TaskRecord, TrainingPosition, add_run_parts
 from trainer.checkpoint.schema import HEADER
+from trainer.config import TrackingConfig
 from trainer.rng import seed_everything
+from trainer.tracking import Tracking
 
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoint-layout.json"
 
 
 def trainer_parts() -> StateParts:
-    """The parts a run registers (trainer.build and trainer.loop), of a small model after one AdamW step."""
+    """The parts a run registers (build, loop, tracking), of a small model after an AdamW step."""
     seed_everything(0)  # no cached Gaussian in Python's or NumPy's generator: their state's layout is the same
     model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -29,6 +32,7 @@ def trainer_parts() -> StateParts:
     optimizer.step()
     parts = state_parts(model, optimizer, torch.amp.GradScaler("cpu", enabled=False))
     add_run_parts(parts, TrainingPosition(), TaskRecord("layout", "tests", {}), {})
+    parts.add(Tracking(TrackingConfig(), Path("."), enabled=False, log=logging.getLogger("layout")).state_part())
     return parts
 
 

@@ -21,7 +21,8 @@ KUBECTL = BIN_DIR / "kubectl"
 # What `kubectl apply -f k8s/` applies, and what each `kubectl apply -k` applies.
 PLAIN_DIR = "k8s"
 KUSTOMIZATIONS = ("k8s/base", "k8s/overlays/kind", "k8s/overlays/elastic", "k8s/overlays/gpu-single-node",
-                  "k8s/overlays/gpu-multi-node", "k8s/overlays/example", "k8s/overlays/sharded", "k8s/trainer-v2")
+                  "k8s/overlays/gpu-multi-node", "k8s/overlays/example", "k8s/overlays/sharded",
+                  "k8s/overlays/tracking", "k8s/trainer-v2")
 SOURCES = (PLAIN_DIR, *KUSTOMIZATIONS)
 
 Obj = dict[str, Any]

@@ -8,15 +8,13 @@ import contextlib
 import os
 import signal
 import subprocess
-import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 
-from devtools.processes import BIN_DIR, REPO_ROOT, clean_env, free_port, kill_session
+from devtools.processes import BIN_DIR, REPO_ROOT, clean_env, free_port, kill_session, wait_until_answers
 
 
 @dataclass
@@ -58,15 +56,7 @@ def s3_server(timeout_s: float = 60) -> Iterator[S3Server]:
                                start_new_session=True)
     endpoint = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            assert process.poll() is None, f"moto_server exited with {process.returncode}"
-            try:
-                urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=2).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, f"moto_server did not answer on {endpoint} in {timeout_s:g}s"
-                time.sleep(0.1)
+        wait_until_answers(process, f"{endpoint}/moto-api/", "moto_server", timeout_s)
         yield S3Server(process, endpoint)
     finally:
         with contextlib.suppress(ProcessLookupError):

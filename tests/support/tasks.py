@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -226,3 +227,50 @@ class WideTask(Task[WideOptions]):
             with open(os.path.join(self.options.memory_log, f"memory-{self.rank}.json"), "w") as record:
                 json.dump({"grown": grown, "full": full}, record)
         return nn.functional.mse_loss(outputs.float(), targets)
+
+
+@dataclass
+class GateOptions:
+    gate: str = option("", "a folder: at the fourth training batch, rank 0 writes 'reached' there and waits for 'go'")
+
+
+class GatedTask(ViewTask):
+    """Stops at a known point of the training until the test says go: what the test does meanwhile (stop a
+    server the run talks to) happens mid-run, every time."""
+
+    name = "gated"
+    Options = GateOptions
+    calls = 0
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.options.gate and self.calls == 5 and os.environ.get("RANK", "0") == "0":  # the first is the check's
+            gate = Path(self.options.gate)
+            (gate / "reached").touch()
+            deadline = time.monotonic() + 120
+            while not (gate / "go").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return super().loss(outputs, targets)
+
+
+@dataclass
+class OutOfMemoryOptions:
+    oom_at: int = option(5, "the loss call that runs out of device memory (the first two are the first-batch checks)")
+
+
+class OutOfMemoryTask(ViewTask):
+    """Runs out of memory in its loss: for real on CUDA (an allocation no GPU has), and on the CPU by raising the
+    error CUDA's allocator raises, which no CPU allocation does."""
+
+    name = "out-of-memory"
+    Options = OutOfMemoryOptions
+    calls = 0
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.options.oom_at:
+            if outputs.is_cuda:
+                torch.empty(1 << 42, device=outputs.device)  # 16 TiB
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 TiB. GPU 0 has a total "
+                                         "capacity of 0 bytes (raised by the test task on the CPU)")
+        return super().loss(outputs, targets)

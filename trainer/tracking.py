@@ -1,0 +1,256 @@
+"""Experiment trackers (--tracker mlflow,wandb): what rank 0 also tells an MLflow server or Weights & Biases,
+beside metrics.jsonl and TensorBoard.
+
+One seam: a tracker is a ``Tracker`` in a module of its own (trainer/trackers/), registered in
+trainer.seams.TRACKERS under the name --tracker takes. It is told where its run starts (a new one, or the
+checkpoint's to continue), each record of metrics, the summary, the newest checkpoint if asked, and how the run
+ended. What every tracker gets from this module, so that none has to do it itself:
+
+- Only rank 0 talks to a tracker; the other ranks hold a Tracking that does nothing.
+- The start is bounded by --tracker-timeout-s, and its failure is one line (TrackerError, exit 2, on every rank:
+  the caller agrees on it), before the first step.
+- After the start, each tracker is called from a thread of its own, in order: training never waits for a network.
+  A tracker that fails then is reported once, as a warning, and told nothing more; the run goes on and
+  metrics.jsonl keeps every record.
+- Each tracker's run id is a checkpoint part ("trackers"): a run resumed after a preemption, at any world size,
+  continues the same tracker run instead of starting a second one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer.checkpoint.parts import RestoreContext, StatePart
+from trainer.config import TrackingConfig
+from trainer.errors import Preempted, TrackerError, first_line
+from trainer.redact import redact
+from trainer.seams import TRACKERS
+
+__all__ = ["FAILED", "FINISHED", "KILLED", "TRACKERS", "CheckpointFiles", "Tracker", "TrackerRun", "Tracking",
+           "flat_params"]
+
+# How a run ended, in MLflow's words (W&B's tracker turns them into exit codes).
+FINISHED, KILLED, FAILED = "FINISHED", "KILLED", "FAILED"
+
+
+@dataclass(frozen=True)
+class TrackerRun:
+    """What a tracker is told at its start."""
+
+    experiment: str  # --experiment; "" leaves the tracker's own default (its environment, then "ddp-deploy")
+    name: str  # the run's display name
+    resume_id: str | None  # the checkpoint's run of this tracker, to continue; None: a new run
+    params: dict[str, Any]  # the run's config and task, redacted, nested as config.yaml has them
+    output_dir: Path
+    settings: TrackingConfig
+
+
+@dataclass(frozen=True)
+class CheckpointFiles:
+    """A committed checkpoint, read through its storage (a local folder or a bucket alike)."""
+
+    name: str  # "step-00000120"
+    files: tuple[str, ...]
+    read: Callable[[str], bytes]
+
+
+class Tracker(ABC):
+    """One experiment tracker. ``start`` runs on the training thread, bounded by --tracker-timeout-s; every other
+    call runs on the tracker's own thread, in order. Any exception is handled by Tracking: at the start it ends
+    the run with one line, afterwards it is a warning."""
+
+    @abstractmethod
+    def start(self, run: TrackerRun, log: logging.Logger) -> str:
+        """Connect, create or continue the run, record its parameters; the run's id (saved in checkpoints)."""
+
+    @abstractmethod
+    def log_metrics(self, kind: str, step: int, values: Mapping[str, float]) -> None:
+        """One record of metrics.jsonl: ``kind`` "train" or "test", at optimizer step ``step``."""
+
+    @abstractmethod
+    def log_summary(self, summary: Mapping[str, float], files: tuple[Path, ...]) -> None:
+        """The run's final numbers (summary.json's), and its config.yaml and summary.json files."""
+
+    def log_checkpoint(self, checkpoint: CheckpointFiles) -> None:  # noqa: B027 - optional: most keep none
+        """The newest checkpoint, when --tracker-checkpoints asks (trackers that keep files)."""
+
+    @abstractmethod
+    def end(self, status: str) -> None:
+        """Mark the run FINISHED, KILLED (preempted: a resume continues it) or FAILED, and let go of it."""
+
+    def describe(self) -> str:
+        """Where the tracker sends its records, for log lines (redacted by the caller)."""
+        return ""
+
+
+def flat_params(nested: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """``{"optim": {"lr": 0.1}}`` as ``{"optim.lr": "0.1"}``: for trackers whose parameters are flat strings."""
+    flat: dict[str, str] = {}
+    for key, value in nested.items():
+        if isinstance(value, Mapping):
+            flat.update(flat_params(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = str(value)
+    return flat
+
+
+class _Channel:
+    """One tracker's thread: its calls run in the order sent, off the training thread. The first failure is
+    warned about once, and the tracker is told nothing more in this run."""
+
+    def __init__(self, name: str, log: logging.Logger) -> None:
+        self.name = name
+        self.log = log
+        self.failed = False
+        self._calls: queue.Queue[tuple[Callable[[], None], str] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._serve, name=f"tracker-{name}", daemon=True)
+        self._thread.start()
+
+    def send(self, call: Callable[[], None], what: str) -> None:
+        if not self.failed:
+            self._calls.put((call, what))
+
+    def _serve(self) -> None:
+        while (item := self._calls.get()) is not None:
+            call, what = item
+            if self.failed:
+                continue
+            try:
+                call()
+            except Exception as error:  # a tracker's failure must never reach training
+                self.failed = True
+                self.log.warning("tracker %s failed while %s (%s); training goes on without it, and metrics.jsonl "
+                                 "has every record", self.name, what, redact(first_line(error)))
+
+    def close(self, deadline: float) -> int:
+        """Let the thread finish what was sent, until ``deadline`` (time.monotonic()); how many calls were left."""
+        self._calls.put(None)
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        return self._calls.qsize() + 1 if self._thread.is_alive() else 0
+
+
+class Tracking:
+    """The run's trackers: started once the run goes ahead, fed each metrics record, ended with the run."""
+
+    def __init__(self, config: TrackingConfig, output_dir: Path, enabled: bool, log: logging.Logger) -> None:
+        self.config = config
+        self.output_dir = output_dir
+        self.enabled = enabled and bool(config.trackers)  # rank 0, and some tracker asked for
+        self.log = log
+        self.run_ids: dict[str, str] = {}  # by tracker name: what checkpoints keep
+        self._trackers: dict[str, Tracker] = {}
+        self._channels: dict[str, _Channel] = {}
+
+    # -- the checkpoint part -------------------------------------------------------------------------------
+    def state_part(self) -> StatePart:
+        """The tracker runs' ids, kept by every checkpoint (a run without --tracker keeps those it resumed with)."""
+        def restore(saved: dict[str, str], _: RestoreContext) -> None:
+            self.run_ids.update(saved)
+
+        # Version 0, a checkpoint written before trackers existed: no tracker run to continue.
+        return StatePart("trackers", lambda: dict(self.run_ids), restore, upgrade=lambda _, __: {})
+
+    # -- start ---------------------------------------------------------------------------------------------
+    def start(self, params: dict[str, Any]) -> None:
+        """Rank 0 starts each tracker, or continues the checkpoint's run of it; TrackerError if one cannot.
+        The caller agrees on the outcome across ranks (trainer.distributed.agreed)."""
+        if not self.enabled:
+            return
+        name = self.config.run_name or self.output_dir.resolve().name
+        for tracker_name in self.config.trackers:
+            tracker: Tracker = TRACKERS.get(tracker_name)()
+            resume_id = self.run_ids.get(tracker_name)
+            run = TrackerRun(self.config.experiment, name, resume_id, params, self.output_dir, self.config)
+            run_id = self._within_timeout(tracker_name, tracker, lambda t=tracker, r=run: t.start(r, self.log))
+            continued = "continues" if run_id == resume_id else "started"
+            self.log.info("tracker %s: %s run %s%s", tracker_name, continued, run_id,
+                          f" ({redact(tracker.describe())})" if tracker.describe() else "")
+            self.run_ids[tracker_name] = run_id
+            self._trackers[tracker_name] = tracker
+            self._channels[tracker_name] = _Channel(tracker_name, self.log)
+
+    def _within_timeout(self, name: str, tracker: Tracker, start: Callable[[], str]) -> str:
+        """``start()`` in a thread, given --tracker-timeout-s: a tracker that retries for minutes (MLflow's client
+        does, by default) must not hold every rank before the first step."""
+        outcome: list[Any] = []
+
+        def attempt() -> None:
+            try:
+                outcome.append(start())
+            except BaseException as error:  # noqa: BLE001 - carried to the training thread
+                outcome.append(error)
+
+        thread = threading.Thread(target=attempt, name=f"tracker-{name}-start", daemon=True)
+        thread.start()
+        thread.join(self.config.tracker_timeout_s)
+        where = f" at {tracker.describe()}" if tracker.describe() else ""
+        if not outcome:
+            raise TrackerError(redact(f"--tracker {name}: no answer{where} within {self.config.tracker_timeout_s:g} s; "
+                                      f"start the tracker or fix its address, raise --tracker-timeout-s, or run "
+                                      f"without --tracker {name}"))
+        result = outcome[0]
+        if isinstance(result, TrackerError):
+            raise result
+        if isinstance(result, ImportError):
+            raise TrackerError(f"--tracker {name} needs its client library ({first_line(result)}); install it with "
+                               f"pip install 'ddp-deploy[{name}]'") from None
+        if isinstance(result, BaseException):
+            raise TrackerError(redact(f"--tracker {name}{where} refused the run ({first_line(result)}); fix the "
+                                      f"tracker's settings or run without --tracker {name}")) from None
+        return str(result)
+
+    # -- records -------------------------------------------------------------------------------------------
+    def log_metrics(self, kind: str, step: int, values: Mapping[str, float]) -> None:
+        record = dict(values)  # the caller's dict may change before the thread reads it
+        for name, channel in self._channels.items():
+            channel.send(lambda t=self._trackers[name]: t.log_metrics(kind, step, record), f"logging step {step}")
+
+    # -- end -----------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def run(self) -> Iterator[Tracking]:
+        """Ends the trackers' runs with the training's outcome: FINISHED, KILLED when preempted (a resume continues
+        it), FAILED otherwise. A summary and checkpoint sent within are delivered before the end."""
+        status = FAILED
+        try:
+            yield self
+            status = FINISHED
+        except Preempted:
+            status = KILLED
+            raise
+        finally:
+            self.close(status)
+
+    def log_summary(self, summary: Mapping[str, Any], files: tuple[Path, ...]) -> None:
+        numbers = {key: value for key, value in summary.items()
+                   if isinstance(value, int | float) and not isinstance(value, bool)}
+        for name, channel in self._channels.items():
+            channel.send(lambda t=self._trackers[name]: t.log_summary(numbers, files), "sending the summary")
+
+    def log_checkpoint(self, checkpoint: CheckpointFiles | None) -> None:
+        """--tracker-checkpoints: the newest checkpoint to the trackers that keep files."""
+        if checkpoint is None:
+            return
+        for name, channel in self._channels.items():
+            channel.send(lambda t=self._trackers[name]: t.log_checkpoint(checkpoint),
+                         f"uploading checkpoint {checkpoint.name}")
+
+    def close(self, status: str) -> None:
+        """Send the end, then give the trackers --tracker-timeout-s, all together, to finish what they were sent."""
+        deadline = time.monotonic() + self.config.tracker_timeout_s
+        for name, channel in self._channels.items():
+            channel.send(lambda t=self._trackers[name]: t.end(status), f"ending its run ({status})")
+        for name, channel in self._channels.items():
+            left = channel.close(deadline)
+            if left:
+                self.log.warning("tracker %s did not take its last %d call(s) within %g s (--tracker-timeout-s); "
+                                 "metrics.jsonl has every record", name, left, self.config.tracker_timeout_s)
+        self._channels.clear()
