@@ -16,7 +16,7 @@ import pytest
 import trainer
 from devtools.processes import REPO_ROOT
 
-OUTSIDE = ("bench", "scripts", "torchx_components", "examples")
+OUTSIDE = ("bench", "scripts", "torchx_components", "examples", "kubeflow_sdk")
 
 
 def imports_of_trainer(path: Path) -> list[tuple[int, str, list[str]]]:

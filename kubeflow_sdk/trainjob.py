@@ -1,0 +1,68 @@
+"""The trainer as a Kubeflow Trainer job submitted from Python: ``TrainerClient().train(...)`` (PyPI ``kubeflow``).
+
+``ddp_trainer(...)`` is the TrainJob of ``k8s/trainer-v2`` as the SDK's ``CustomTrainer``: the same image, nodes,
+processes per node, resources, environment and config, under the same ``torch-distributed`` runtime. The SDK
+ships the source of ``ddp_train`` (below) to every node and starts it under torchrun, which hands it its rank;
+the function writes the config and calls ``trainer.run``, so every flag, task and exit code is the trainer's.
+
+    from kubeflow.trainer import TrainerClient
+    from kubeflow_sdk.trainjob import ddp_trainer
+
+    client = TrainerClient()                                   # Kubernetes: the cluster of your kubeconfig
+    job = client.train(runtime="torch-distributed", trainer=ddp_trainer(["--epochs", "3"], num_nodes=2))
+    client.wait_for_job_status(job)
+
+The same job runs on one machine with the SDK's container backend (Docker or Podman), a container per node
+on a network of its own: ``TrainerClient(backend_config=ContainerBackendConfig())``. Its local-process backend
+is not for this trainer: it builds a fresh virtual environment per job and pip-installs torch into it, and runs
+one process on one node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["DEFAULT_IMAGE", "ddp_train", "ddp_trainer"]
+
+DEFAULT_IMAGE = "ddp-deploy"  # k8s/trainer-v2's placeholder; `make k8s-image` and --image name the real one
+
+
+def ddp_train(argv: list[str], config_yaml: str = "", task: str = "") -> None:
+    """What each node runs under torchrun. Self-contained on purpose: the SDK ships this function's source,
+    not its module, so it imports what it needs itself."""
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    import trainer
+
+    if config_yaml:  # a ConfigMap's file, as k8s/trainer-v2 mounts it at /etc/ddp/config.yaml
+        config = Path(tempfile.mkdtemp(prefix="ddp-config-")) / "config.yaml"
+        config.write_text(config_yaml)
+        argv = ["--config", str(config), *argv]
+    code = trainer.run(task or None, argv=argv)
+    if code:
+        sys.exit(code)  # torchrun, the container and the SDK's job status see the trainer's exit code
+
+
+def ddp_trainer(argv: Sequence[str] = (), *, config_yaml: str = "", task: str = "", image: str = DEFAULT_IMAGE,
+                num_nodes: int = 2, gpus_per_node: int = 0, cpu: str | int = "2", memory: str = "4Gi",
+                env: Mapping[str, str] | None = None) -> Any:
+    """The SDK's CustomTrainer for ``trainer.run(task, argv)`` on ``num_nodes`` nodes (one process per node, or
+    one per GPU). ``task``: a built-in's name or ``package.module:Class`` inside the image (empty: --task or the
+    built-in); ``config_yaml``: a config file's text (k8s/base/configmap.yaml's); ``env`` adds variables, and is
+    where credentials go (WANDB_API_KEY, MLFLOW_TRACKING_TOKEN), never ``argv``."""
+    from kubeflow.trainer import CustomTrainer  # imported late: an extra (pip install 'ddp-deploy[kubeflow]')
+
+    if num_nodes < 1:
+        raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
+    if gpus_per_node < 0:
+        raise ValueError(f"gpus_per_node must be >= 0, got {gpus_per_node}")
+    resources: dict[str, Any] = {"cpu": cpu, "memory": memory}
+    if gpus_per_node:
+        resources["gpu"] = gpus_per_node  # the SDK starts one process per GPU
+    # HOME: the image's user has no home folder and Kubernetes' root file system is read-only (k8s/trainer-v2).
+    variables = {"HOME": "/tmp", "OMP_NUM_THREADS": str(cpu), **(env or {})}
+    return CustomTrainer(func=ddp_train, func_args={"argv": list(argv), "config_yaml": config_yaml, "task": task},
+                         image=image, num_nodes=num_nodes, resources_per_node=resources, env=variables)
