@@ -65,10 +65,11 @@ def checkpoints(reference: Path, tmp_path: Path) -> Path:
 
 def test_a_checkpoint_holds_the_full_state_and_its_model_loads_into_a_plain_model(reference):
     _, manifest, state = newest_checkpoint(reference)
-    assert set(state) == {"model", "optimizer", "grad_scaler", "position", "task", "rng", "config", "world_size",
-                          "versions", "part_versions"}
+    assert set(state) == {"model", "optimizer", "grad_scaler", "position", "task", "rng", "config", "trackers",
+                          "world_size", "versions", "part_versions"}
     assert state["part_versions"] == dict.fromkeys(("model", "optimizer", "grad_scaler", "rng", "position", "task",
-                                                    "config"), 1)
+                                                    "config", "trackers"), 1)
+    assert state["trackers"] == {}, "no --tracker: no tracker run to continue"
     assert state["world_size"] == 1 and len(state["rng"]) == 1 and set(state["rng"][0]) >= {"python", "numpy", "torch"}
     assert state["position"]["step"] == manifest["step"] == 16 and state["optimizer"]["state"]
     assert {"torch", "torchvision", "trainer", "python"} <= set(state["versions"])
