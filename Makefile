@@ -62,13 +62,22 @@ torchx-test: venv ## TorchX: component linter, Kubernetes dry runs, real local_c
 	$(BIN)/pytest -q tests/deploy/test_torchx.py
 
 # Benchmarks (bench/): ratios measured in one invocation; timings are reported, never asserted.
-.PHONY: bench bench-quick
+.PHONY: bench bench-quick gpu-bench gpu-bench-smoke
 
 bench: venv data ## benchmark suite, full run (about 17 min on 2 cores): table, JSON, plots in bench/results/
 	$(BIN)/python -m bench.run
 
 bench-quick: venv data ## benchmark suite, quick mode for CI (2-3 min): bench/results/raw/quick/
 	$(BIN)/python -m bench.run --quick
+
+# Like gpu-check: the GPU machine's own python3 and CUDA torch, no venv. GPU_BENCH_OUT: where the results go
+# (the device tool's $$OUT); BENCH_ARGS: --only NAME to split the figures over calls.
+GPU_BENCH_OUT ?= bench/results/gpu
+gpu-bench: ## the GPU figures (bench/gpu.py; a CUDA GPU, about 8 min) to GPU_BENCH_OUT (bench/results/gpu)
+	PYTHONPATH=. PYTHONUNBUFFERED=1 $(PYTHON) -m bench.gpu --output-dir "$(GPU_BENCH_OUT)" $(BENCH_ARGS)
+
+gpu-bench-smoke: venv ## every GPU figure tiny, on any machine (CI: the CPU): bench/results/raw/gpu-quick/
+	$(BIN)/python -m bench.gpu --quick
 
 doctor: venv ## preflight of every collective with $(NPROC) local ranks
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(NPROC) -m trainer.doctor

@@ -15,6 +15,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -56,19 +57,41 @@ FIGURES: dict[str, tuple[str, Callable[[Context], FigureResult]]] = {
 }
 
 
+@dataclass(frozen=True)
+class Suite:
+    """A set of figures run and written together: this module's CPU suite, bench.gpu's GPU suite."""
+
+    module: str  # what ``python -m`` runs
+    description: str
+    figures: dict[str, tuple[str, Callable[[Context], FigureResult]]]  # in figure order; the key is --only's
+    results_dir: Path
+    quick_dir: Path
+    quick_help: str
+
+
+CPU_SUITE = Suite("bench.run", __doc__.split("\n\n")[0], FIGURES, RESULTS_DIR, QUICK_DIR,
+                  "CI smoke mode: tiny sizes, about 2-3 minutes")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="CI smoke mode: tiny sizes, about 2-3 minutes")
-    parser.add_argument("--only", action="append", choices=list(FIGURES), metavar="NAME",
-                        help=f"run only this figure (repeatable): {', '.join(FIGURES)}")
-    parser.add_argument("--output-dir", type=Path, help="where results go (default: bench/results, "
-                                                        "bench/results/raw/quick with --quick)")
+    return run_suite(CPU_SUITE, argv)
+
+
+def run_suite(suite: Suite, argv: Sequence[str] | None = None) -> int:
+    figure_table = suite.figures
+    parser = argparse.ArgumentParser(prog=f"python -m {suite.module}", description=suite.description)
+    parser.add_argument("--quick", action="store_true", help=suite.quick_help)
+    parser.add_argument("--only", action="append", choices=list(figure_table), metavar="NAME",
+                        help=f"run only this figure (repeatable): {', '.join(figure_table)}")
+    parser.add_argument("--output-dir", type=Path, help=f"where results go (default: {_shown(suite.results_dir)}, "
+                                                        f"{_shown(suite.quick_dir)} with --quick)")
     args = parser.parse_args(argv)
-    out_dir: Path = args.output_dir or (QUICK_DIR if args.quick else RESULTS_DIR)
-    selected = args.only or list(FIGURES)
+    out_dir: Path = args.output_dir or (suite.quick_dir if args.quick else suite.results_dir)
+    selected = args.only or list(figure_table)
 
     header: dict[str, Any] = {"quick": args.quick, "started": datetime.now(UTC).isoformat(timespec="seconds"),
-                              "command": "python -m bench.run " + " ".join(sys.argv[1:] if argv is None else argv),
+                              "command": f"python -m {suite.module} " + " ".join(sys.argv[1:] if argv is None
+                                                                                 else argv),
                               "machine": describe_machine()}
     figures = _kept_figures(out_dir / "results.json", args.quick, selected)
     started, load_start = time.perf_counter(), load_average()
@@ -76,8 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ddp-bench-") as work:
         ctx = Context(args.quick, Path(work))
         for key in selected:
-            number = list(FIGURES).index(key) + 1
-            title, measure = FIGURES[key]
+            number = list(figure_table).index(key) + 1
+            title, measure = figure_table[key]
             print(f"[bench] figure {number}: {title} ...", flush=True)
             figure_started = time.perf_counter()
             try:
@@ -102,6 +125,12 @@ def save(out_dir: Path, header: dict[str, Any], figures: list[FigureResult]) -> 
     write_json(out_dir / "results.json", header, figures)
     plots = make_plots(figures, out_dir)
     write_markdown(out_dir / "results.md", header, figures, plots)
+
+
+def _shown(path: Path) -> str:
+    """A results folder as --help shows it: relative to the repository when inside it."""
+    root = RESULTS_DIR.parent.parent
+    return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
 
 
 def _kept_figures(path: Path, quick: bool, selected: list[str]) -> dict[str, FigureResult]:

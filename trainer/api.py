@@ -53,7 +53,7 @@ from trainer.errors import (
     user_message,
 )
 from trainer.flight_recorder import apply_recorder_environment, dump_flight_recorder, reading_advice
-from trainer.gpu import apply_nccl_environment, checkpoint_layout, nccl_timeout_advice
+from trainer.gpu import apply_nccl_environment, checkpoint_layout, nccl_timeout_advice, peak_memory
 from trainer.launchers import identity_from_env
 from trainer.liveness import PROGRESS_GRACE_S
 from trainer.loop import Trainer
@@ -218,7 +218,7 @@ def _summary(task: RunTask, result: dict[str, float], runtime: Runtime, trainer:
         "test_metrics": result,
         **{f"test_{name}": value for name, value in result.items()},
         "world_size": runtime.identity.world_size,
-        "ranks": gather_to_main(runtime.identity.to_dict(), runtime) or [],
+        "ranks": gather_to_main({**runtime.identity.to_dict(), **peak_memory(runtime.device)}, runtime) or [],
         "global_step": trainer.position.step,
         "epochs_completed": trainer.position.epoch,
         "resumed_from": None if trainer.resumed_from is None else redact(trainer.resumed_from),

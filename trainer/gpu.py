@@ -18,7 +18,7 @@ from torch import nn
 from trainer.task import map_tensors
 
 __all__ = ["DeviceTuning", "apply_nccl_environment", "checkpoint_layout", "choose_tuning", "nccl_environment",
-           "nccl_timeout_advice"]
+           "nccl_timeout_advice", "peak_memory"]
 
 NCCL_DEFAULTS = {
     # A collective past NCCL's timeout aborts its communicator and ends the process (the launcher restarts the
@@ -101,3 +101,12 @@ def nccl_timeout_advice() -> str:
     """What to do after an NCCL collective timed out, besides the flight recorder's dump: NCCL's own log."""
     return ("for NCCL's own account of it, run again with NCCL_DEBUG=INFO (and NCCL_DEBUG_SUBSYS=INIT,NET "
             "when ranks cannot connect)")
+
+
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """What summary.json reports of a rank's device memory: on CUDA the most the caching allocator held for
+    tensors at once (``torch.cuda.max_memory_allocated``, the figure a model's fit is judged by; read from the
+    allocator's counters, no wait for the device); nothing on the CPU, which keeps no such count."""
+    if device.type != "cuda":
+        return {}
+    return {"peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3)}

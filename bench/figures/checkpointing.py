@@ -43,14 +43,18 @@ from trainer.models import build_model
 TITLE = "Checkpointing"
 
 
-def training_state(model_name: str) -> tuple[StateParts, TrainingPosition, nn.Module]:
-    """Model and AdamW state after one step (exp_avg and exp_avg_sq exist), as the trainer's checkpoint parts."""
+def training_state(model_name: str, device: torch.device | None = None, image_size: int = 32,
+                   classes: int = 10) -> tuple[StateParts, TrainingPosition, nn.Module]:
+    """Model and AdamW state after one step (exp_avg and exp_avg_sq exist) on ``device`` (default: the CPU),
+    as the trainer's checkpoint parts."""
+    device = device or torch.device("cpu")
     torch.manual_seed(0)
-    model = build_model(model_name, 3, (32, 32), 10)
+    model = build_model(model_name, 3, (image_size, image_size), classes).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    model(torch.randn(2, 3, image_size, image_size, device=device)).sum().backward()
     optimizer.step()
-    parts, position = state_parts(model, optimizer, torch.amp.GradScaler("cpu", enabled=False)), TrainingPosition()
+    parts = state_parts(model, optimizer, torch.amp.GradScaler(device.type, enabled=False))
+    position = TrainingPosition()
     position.step = 1
     add_run_parts(parts, position, TaskRecord("classification", "classification", {"model": model_name}), {})
     return parts, position, model
@@ -86,14 +90,19 @@ def _torch_save_to_path(folder: Path, state: dict[str, Any]) -> None:
 
 
 def _forward_backward(model: nn.Module, batch: torch.Tensor) -> None:
-    """The training work an asynchronous save's background copy overlaps: the next step's gradients."""
+    """The training work an asynchronous save's background copy overlaps: the next step's gradients (waited
+    for on a GPU, whose work is otherwise only queued)."""
     model(batch).sum().backward()
+    if batch.is_cuda:
+        torch.cuda.synchronize(batch.device)
 
 
 def measure(name: str, parts: StateParts, position: TrainingPosition, model: nn.Module, folder: Path,
-            runtime: Runtime, repeats: int) -> dict[str, Any]:
+            runtime: Runtime, repeats: int, batch: torch.Tensor | None = None) -> dict[str, Any]:
+    """Every save of the figure, ``repeats`` times interleaved; ``batch`` is what the overlapped forward and
+    backward pass trains on (default: 32 CPU images of 32x32)."""
     state = parts.capture(1).to_dict()
-    batch = torch.randn(32, 3, 32, 32)
+    batch = torch.randn(32, 3, 32, 32) if batch is None else batch
     log = logging.getLogger("checkpoint-bench")
     sync = CheckpointManager(CheckpointConfig(keep_last=2), str(folder / "sync"), runtime, log)
     background = CheckpointManager(CheckpointConfig(keep_last=2, async_checkpoint=True), str(folder / "async"),

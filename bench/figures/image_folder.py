@@ -9,12 +9,13 @@ windows, the first left out.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import count
 from pathlib import Path
 
 from bench.harness.context import Context
-from bench.harness.launch import run_trainer
-from bench.harness.measure import interleave, load_average, paired_ratio
+from bench.harness.launch import TRAINER_QUIET, run_trainer
+from bench.harness.measure import Ratio, interleave, load_average, paired_ratio
 from bench.harness.results import FigureResult, Goal, Row
 
 TITLE = "Image folder input (JPEG 64x64, ResNet-18)"
@@ -22,7 +23,7 @@ GOAL = Goal(">=", 0.95)
 CLASSES, SIZE = 10, 64
 
 
-def write_images(folder: Path, per_class: int) -> None:
+def write_images(folder: Path, per_class: int, size: int = SIZE) -> None:
     """Real JPEG files, textured so that they do not compress to nothing: what a photo folder holds."""
     import torch
     from PIL import Image
@@ -31,7 +32,7 @@ def write_images(folder: Path, per_class: int) -> None:
     for label in range(CLASSES):
         (folder / f"class{label}").mkdir(parents=True, exist_ok=True)
         for index in range(per_class):
-            pixels = torch.randint(0, 256, (SIZE, SIZE, 3), generator=generator, dtype=torch.uint8)
+            pixels = torch.randint(0, 256, (size, size, 3), generator=generator, dtype=torch.uint8)
             Image.fromarray(pixels.numpy()).save(folder / f"class{label}" / f"{index:04d}.jpg", quality=90)
 
 
@@ -43,20 +44,28 @@ def run(ctx: Context) -> FigureResult:
     steps, log_every = ctx.pick(24, 6), ctx.pick(4, 2)
     common = ["--epochs", "20", "--max-steps", str(steps), "--log-every", str(log_every), "--batch-size", "32",
               "--eval-batch-size", "64", "--image-size", str(SIZE), "--model", "torchvision/resnet18"]
-    folder_args = ["--dataset", "imagefolder", "--data-dir", str(images), "--eval-fraction", "0.1", *common]
-    memory_args = ["--task", "bench.workers.in_memory_images:InMemoryImages", "--data-dir", str(images), *common]
-    runs = count()
-
-    def measure(args: list[str]) -> float:
-        output = ctx.scratch(f"image-folder-run-{next(runs)}")
-        return run_trainer(args, output, None, ctx.pick(900, 300)).steady_samples_per_s()
-
-    values = interleave({"folder": lambda: measure(folder_args), "in_memory": lambda: measure(memory_args)},
-                        rounds=ctx.pick(3, 1))
-    ratio = paired_ratio(values["folder"], values["in_memory"])
+    values, ratio = folder_against_memory(ctx, images, common, "image-folder", ctx.pick(3, 1), ctx.pick(900, 300))
     rows = [Row("image folder (JPEG, default workers) samples/s / the same images in memory", ratio.median, GOAL,
                 spread=ratio.spread,
                 notes=f"{CLASSES * per_class} JPEG files of {SIZE}x{SIZE}; torchvision/resnet18, batch 32, one thread; "
                       f"--num-workers auto (1 here); median of {steps // log_every - 1} windows of {log_every} steps")]
     return FigureResult(9, "imagefolder", TITLE, rows, {"samples_per_s": values, "steps": steps,
                                                        "load_average": [load_before, load_average()]})
+
+
+def folder_against_memory(ctx: Context, images: Path, common: list[str], name: str, rounds: int, timeout_s: float,
+                          quiet: Sequence[str] = TRAINER_QUIET) -> tuple[dict[str, list[float]], Ratio]:
+    """The trainer over the image folder (``--dataset imagefolder``) and over the same images decoded in memory
+    (bench/workers/in_memory_images.py), alternately for ``rounds``; each run's steady samples/s, and the
+    folder / memory ratio round by round."""
+    folder_args = ["--dataset", "imagefolder", "--data-dir", str(images), "--eval-fraction", "0.1", *common]
+    memory_args = ["--task", "bench.workers.in_memory_images:InMemoryImages", "--data-dir", str(images), *common]
+    runs = count()
+
+    def measure(args: list[str]) -> float:
+        output = ctx.scratch(f"{name}-run-{next(runs)}")
+        return run_trainer(args, output, None, timeout_s, quiet=quiet).steady_samples_per_s()
+
+    values = interleave({"folder": lambda: measure(folder_args), "in_memory": lambda: measure(memory_args)},
+                        rounds=rounds)
+    return values, paired_ratio(values["folder"], values["in_memory"])

@@ -28,9 +28,15 @@ class BenchError(RuntimeError):
 class TrainerRun:
     launched_at: float  # time.time() just before the launch
     records: list[dict[str, Any]]  # metrics.jsonl
+    summary: dict[str, Any]  # summary.json ({} if the run wrote none)
 
     def train_records(self) -> list[dict[str, Any]]:
         return [record for record in self.records if record["kind"] == "train"]
+
+    def peak_memory_gib(self) -> float | None:
+        """The most GPU memory any rank had allocated at once (summary.json); None on the CPU."""
+        peaks = [rank["peak_memory_gib"] for rank in self.summary.get("ranks", []) if "peak_memory_gib" in rank]
+        return max(peaks) if peaks else None
 
     def steady_samples_per_s(self, warmup_records: int = 1) -> float:
         """Median throughput of the logged windows after the first ones (start-up, cold caches)."""
@@ -54,14 +60,17 @@ def run(cmd: Sequence[str], timeout_s: float, env: Mapping[str, str] | None = No
     return done
 
 
-def run_trainer(args: Sequence[str], output_dir: Path, nproc: int | None, timeout_s: float) -> TrainerRun:
+def run_trainer(args: Sequence[str], output_dir: Path, nproc: int | None, timeout_s: float,
+                quiet: Sequence[str] = TRAINER_QUIET) -> TrainerRun:
     """The trainer on this machine: one plain process (nproc None) or nproc ranks under torchrun."""
-    trainer_args = [*TRAINER_QUIET, "--output-dir", str(output_dir), *args]
+    trainer_args = [*quiet, "--output-dir", str(output_dir), *args]
     cmd = ([sys.executable, "-m", "trainer", *trainer_args] if nproc is None
            else torchrun_command(nproc, "trainer", trainer_args))
     launched_at = time.time()
     run(cmd, timeout_s)
-    return TrainerRun(launched_at, read_metrics(output_dir / "metrics.jsonl"))
+    summary = output_dir / "summary.json"
+    return TrainerRun(launched_at, read_metrics(output_dir / "metrics.jsonl"),
+                      json.loads(summary.read_text()) if summary.is_file() else {})
 
 
 def fashion_mnist_convnet_args(steps: int, log_every: int) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -58,10 +59,28 @@ def describe_machine() -> dict[str, object]:
     cpu = _cpu_model()
     cores = os.cpu_count() or 1
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    gpu = describe_gpu()
     summary = (f"{cpu}, {cores} cores, {memory_gib:.0f} GiB RAM, Linux {platform.release()}, "
                f"Python {platform.python_version()}, torch {torch.__version__}")
+    if gpu:
+        summary = f"{gpu['name']} ({gpu['memory_gib']:.0f} GiB, driver {gpu['driver']}, CUDA {gpu['cuda']}), " + summary
     return {"cpu": cpu, "cores": cores, "memory_gib": round(memory_gib, 1), "kernel": platform.release(),
-            "python": platform.python_version(), "torch": torch.__version__, "summary": summary}
+            "python": platform.python_version(), "torch": torch.__version__, **({"gpu": gpu} if gpu else {}),
+            "summary": summary}
+
+
+def describe_gpu() -> dict[str, object] | None:
+    """The first CUDA device, its driver and the CUDA version torch was built with; None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    properties = torch.cuda.get_device_properties(0)
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=30, check=True).stdout.split()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        driver = "unknown"
+    return {"name": properties.name, "memory_gib": round(properties.total_memory / 2**30, 1), "driver": driver,
+            "cuda": torch.version.cuda, "count": torch.cuda.device_count()}
 
 
 def _cpu_model() -> str:

@@ -50,7 +50,9 @@ def test_one_rank_trains_over_nccl_with_the_gpu_defaults_and_a_checkpoint_cpu_ma
     result = train(tmp_path / "run", "--epochs", "1")
     assert "device cuda:0, backend nccl" in result.stderr
     assert "GPU settings: channels-last on, cuDNN autotuner on" in result.stderr
-    assert summary(tmp_path / "run")["global_step"] == STEPS
+    final = summary(tmp_path / "run")
+    assert final["global_step"] == STEPS
+    assert 0 < final["ranks"][0]["peak_memory_gib"] < torch.cuda.get_device_properties(0).total_memory / 2**30
     _, _, state = newest_checkpoint(tmp_path / "run" / "checkpoints")  # read on the CPU, weights_only
     assert all(tensor.device.type == "cpu" for tensor in state["model"].values())
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from bench import run as bench_run
 from bench.harness.context import Context
@@ -92,3 +93,23 @@ def test_only_replaces_its_figures_and_keeps_the_others_of_the_same_mode(tmp_pat
     _, figures = read_json(tmp_path / "results.json")
     expected = {"scaling", "accuracy", "launch"} if quick else {"accuracy"}
     assert {figure.key for figure in figures} == expected
+
+
+def test_the_full_gpu_figures_refuse_a_machine_without_cuda_in_one_line(capsys):
+    from bench import gpu as bench_gpu
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the full GPU figures would run")
+    assert bench_gpu.main(["--only", "gpu-loop"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and "no CUDA device" in error and "--quick" in error
+
+
+def test_the_gpu_memory_row_pairs_rounds_and_says_why_it_is_empty():
+    from bench.harness.gpu import memory_row
+
+    row = memory_row("a / b", {"a": [2.0, 3.3], "b": [1.0, 3.0]}, Goal("<=", 1.05))
+    assert row.ratio == pytest.approx(1.55) and row.spread == pytest.approx((1.1, 2.0)) and row.met is False
+    assert "a 2.65 GiB, b 2.00 GiB" in row.notes
+    empty = memory_row("a / b", {"a": [None], "b": [1.0]})
+    assert empty.ratio is None and "no CUDA device" in empty.notes
