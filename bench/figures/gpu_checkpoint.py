@@ -35,7 +35,8 @@ def run(ctx: Context) -> FigureResult:
     repeats = ctx.pick(3, 2)
     work = Path(tempfile.mkdtemp(prefix="gpu-checkpoint-bench-", dir=ctx.work_dir))
     try:
-        with process_group(DistConfig(device=str(device)), identity_from_env({}), device) as runtime:
+        # DistConfig takes auto, cpu or cuda; the device itself (cuda:0) is passed beside it.
+        with process_group(DistConfig(device=device.type), identity_from_env({}), device) as runtime:
             parts, position, model = training_state(model_name, device, size, classes)
             batch = torch.randn(ctx.pick(32, 8), 3, size, size, device=device)
             result = measure(model_name, parts, position, model, work, runtime, repeats, batch)
