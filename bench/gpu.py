@@ -13,8 +13,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-import torch
-
 from bench.figures import gpu_checkpoint, gpu_input, gpu_loop, gpu_sharded
 from bench.run import RESULTS_DIR, Suite, run_suite
 
@@ -26,16 +24,12 @@ FIGURES = {
 }
 GPU_SUITE = Suite("bench.gpu", __doc__.split("\n\n")[0], FIGURES, RESULTS_DIR / "gpu",
                   RESULTS_DIR / "raw" / "gpu-quick",
-                  "smoke mode on any machine (CI: the CPU): every figure tiny, about 2 minutes, numbers meaningless")
+                  "smoke mode on any machine (CI: the CPU): every figure tiny, about 2 minutes, numbers meaningless",
+                  full_run_needs_cuda=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    arguments = list(sys.argv[1:] if argv is None else argv)
-    if "--quick" not in arguments and not torch.cuda.is_available() and not {"-h", "--help"} & set(arguments):
-        print("python -m bench.gpu: no CUDA device here; the full GPU figures need one (--quick runs every figure "
-              "tiny on the CPU)", file=sys.stderr)
-        return 2
-    return run_suite(GPU_SUITE, arguments)
+    return run_suite(GPU_SUITE, argv)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from bench.figures import (
     checkpointing,
     image_folder,
@@ -67,6 +69,7 @@ class Suite:
     results_dir: Path
     quick_dir: Path
     quick_help: str
+    full_run_needs_cuda: bool = False  # the GPU suite: only --quick runs without a CUDA device
 
 
 CPU_SUITE = Suite("bench.run", __doc__.split("\n\n")[0], FIGURES, RESULTS_DIR, QUICK_DIR,
@@ -78,16 +81,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_suite(suite: Suite, argv: Sequence[str] | None = None) -> int:
-    figure_table = suite.figures
     parser = argparse.ArgumentParser(prog=f"python -m {suite.module}", description=suite.description)
     parser.add_argument("--quick", action="store_true", help=suite.quick_help)
-    parser.add_argument("--only", action="append", choices=list(figure_table), metavar="NAME",
-                        help=f"run only this figure (repeatable): {', '.join(figure_table)}")
+    parser.add_argument("--only", action="append", choices=list(suite.figures), metavar="NAME",
+                        help=f"run only this figure (repeatable): {', '.join(suite.figures)}")
     parser.add_argument("--output-dir", type=Path, help=f"where results go (default: {_shown(suite.results_dir)}, "
                                                         f"{_shown(suite.quick_dir)} with --quick)")
     args = parser.parse_args(argv)
+    if suite.full_run_needs_cuda and not args.quick and not torch.cuda.is_available():
+        print(f"python -m {suite.module}: no CUDA device here; the full GPU figures need one (--quick runs every "
+              f"figure tiny on the CPU)", file=sys.stderr)
+        return 2
     out_dir: Path = args.output_dir or (suite.quick_dir if args.quick else suite.results_dir)
-    selected = args.only or list(figure_table)
+    selected = args.only or list(suite.figures)
 
     header: dict[str, Any] = {"quick": args.quick, "started": datetime.now(UTC).isoformat(timespec="seconds"),
                               "command": f"python -m {suite.module} " + " ".join(sys.argv[1:] if argv is None
@@ -99,8 +105,8 @@ def run_suite(suite: Suite, argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ddp-bench-") as work:
         ctx = Context(args.quick, Path(work))
         for key in selected:
-            number = list(figure_table).index(key) + 1
-            title, measure = figure_table[key]
+            number = list(suite.figures).index(key) + 1
+            title, measure = suite.figures[key]
             print(f"[bench] figure {number}: {title} ...", flush=True)
             figure_started = time.perf_counter()
             try:
