@@ -94,7 +94,7 @@ def test_two_plain_env_ranks_report_metrics_tensorboard_mid_epoch_evaluations_an
 
 def test_cuda_requested_on_a_machine_without_it_is_one_clear_error(tmp_path):
     if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
+        unavailable("this machine has CUDA: the error for a missing one needs a machine without")
     result = run([PYTHON, "-m", "trainer", *TINY, "--device", "cuda", "--output-dir", str(tmp_path)])
     assert result.returncode == EXIT_USAGE
     assert "--device cuda but this machine has no CUDA device" in one_error_line(result.stderr)

@@ -15,6 +15,7 @@ import torch
 from bench import run as bench_run
 from bench.harness.context import Context
 from bench.harness.results import FigureResult, Goal, Row, read_json
+from tests.support.preconditions import unavailable
 
 
 def fake_figures() -> list[FigureResult]:
@@ -99,7 +100,7 @@ def test_the_full_gpu_figures_refuse_a_machine_without_cuda_in_one_line(capsys):
     from bench import gpu as bench_gpu
 
     if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA: the full GPU figures would run")
+        unavailable("this machine has CUDA, where the full GPU figures would run: the refusal needs a machine without")
     assert bench_gpu.main(["--only", "gpu-loop"]) == 2
     error = capsys.readouterr().err.strip()
     assert error.count("\n") == 0 and "no CUDA device" in error and "--quick" in error
