@@ -1,11 +1,12 @@
-"""The GPU figures: ``python -m bench.gpu [--quick] [--only NAME ...] [--output-dir DIR]`` (``make gpu-bench``,
+"""The GPU figures: ``python -m bench.gpu [--quick] [--only NAME]... [--output-dir DIR]`` (``make gpu-bench``,
 ``make gpu-bench-smoke``).
 
-A full run needs a CUDA GPU and is sized to end within one 10-minute call of the lent GPU machine (its own
-Python and torch, ``PYTHONPATH=.``, nothing installed; Accelerate and Lightning are there). It writes
-results.json, results.md and a summary plot to bench/results/gpu/ (``--output-dir`` elsewhere, the device
-tool's $OUT say). ``--quick`` is the smoke mode, on any machine, the CPU included: every figure's code path
-with tiny sizes (CI runs it), its numbers meaningless, written to bench/results/raw/gpu-quick/.
+A full run needs a CUDA GPU, its own Python and torch (``PYTHONPATH=.``, nothing installed; Accelerate and
+Lightning are there), and takes two calls of the lent GPU machine's 10 minutes (``--only gpu-loop``, then the
+other three: docs/benchmarks.md has the plan and each call's expected length). It writes results.json,
+results.md and a summary plot to bench/results/gpu/ (``--output-dir`` elsewhere, the device tool's $OUT say).
+``--quick`` is the smoke mode, on any machine, the CPU included: every figure's code path with tiny sizes (CI
+runs it), its numbers meaningless, written to bench/results/raw/gpu-quick/.
 """
 
 from __future__ import annotations

@@ -18,8 +18,9 @@ import logging
 import os
 import re
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,6 @@ import torch
 
 from trainer.build import build_training
 from trainer.checkpoint import CheckpointManager, Monitor
-from trainer.checkpoint.storage import CheckpointStorage
 from trainer.cli import dump_yaml, layout, parse_config
 from trainer.config import Config
 from trainer.distributed import (
@@ -49,6 +49,7 @@ from trainer.errors import (
     Preempted,
     TrackerError,
     UserError,
+    described,
     first_line,
     user_message,
 )
@@ -64,7 +65,10 @@ from trainer.resume import check_resume
 from trainer.task import RunTask
 from trainer.tracking import CheckpointFiles, Tracking
 
-__all__ = ["run", "train"]
+__all__ = ["checkpoint_written", "run", "train"]
+
+# --tracker-checkpoints' look at the run's last checkpoint after training: it must not hold the end of the run.
+CHECKPOINT_LOOKUP_S = 10.0
 
 # What gloo and NCCL say when a peer process is gone; such an error is the other rank's story, not this one's.
 PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|Connection refused|"
@@ -91,8 +95,8 @@ def run(task: str | type | None = None, argv: Sequence[str] | None = None, **set
         identity = identity_from_env(os.environ, master_port=config.dist.master_port, job_id=config.dist.job_id)
         rank = str(identity.rank)
         device = choose_device(config.dist, identity)
-        if device.type == "cpu":
-            torch.set_num_threads(threads_per_rank(config.dist, identity, dict(os.environ)))
+        # On a GPU too: the host side of a step (gathering a batch, pinning it) runs on these threads.
+        torch.set_num_threads(threads_per_rank(config.dist, identity, dict(os.environ)))
         if identity.distributed:  # read when the process group is created: set before joining
             apply_recorder_environment(os.environ, config.output.output_dir)
             if choose_backend(config.dist, device) == "nccl":
@@ -198,10 +202,12 @@ def train(config: Config, task: RunTask, runtime: Runtime) -> dict[str, object]:
             diagnosis = runtime.liveness.diagnose(config.dist.collective_timeout_s)
             raise PeerLost(diagnosis + _timeout_advice(runtime)) from None
         finally:
-            if tracking.enabled and config.tracking.tracker_checkpoints:
-                tracking.log_checkpoint(_newest_checkpoint(checkpoints.storage))
-            checkpoints.close()  # the folder's lease, released whatever happened (a kill leaves it to expire)
-            watcher.uninstall()
+            try:
+                if tracking.enabled and config.tracking.tracker_checkpoints:
+                    tracking.log_checkpoint(checkpoint_written(checkpoints, log))
+            finally:
+                checkpoints.close()  # the folder's lease, released whatever happened (a kill leaves it to expire)
+                watcher.uninstall()
         summary = _summary(task, result, runtime, trainer, time.perf_counter() - started)
         agreed(runtime, lambda: write_summary(output_dir, summary) if runtime.is_main else None, OutputError)
         tracking.log_summary(summary, (output_dir / "config.yaml", output_dir / "summary.json"))
@@ -227,12 +233,34 @@ def _summary(task: RunTask, result: dict[str, float], runtime: Runtime, trainer:
     }
 
 
-def _newest_checkpoint(storage: CheckpointStorage) -> CheckpointFiles | None:
-    """The newest committed checkpoint, for --tracker-checkpoints; None when there is none, or it cannot be listed
-    (the upload is a courtesy: it never fails the run)."""
-    try:
-        names = storage.list_checkpoints()
-        return CheckpointFiles(names[0], tuple(storage.files(names[0])),
-                               lambda filename: storage.read(names[0], filename)) if names else None
-    except OSError:
+def checkpoint_written(checkpoints: CheckpointManager, log: logging.Logger,
+                       within_s: float = CHECKPOINT_LOOKUP_S) -> CheckpointFiles | None:
+    """The checkpoint this run committed last, for --tracker-checkpoints (not the newest folder by name: after
+    --resume PATH that may be another branch's); None when there is none, the storage stalled, or its files
+    cannot be listed within ``within_s`` (the upload is a courtesy: it never fails, nor holds, the run's end)."""
+    name = checkpoints.last_committed
+    if name is None or checkpoints.stalled:
         return None
+    storage = checkpoints.storage
+    found: list[CheckpointFiles] = []
+
+    def look() -> None:
+        found.append(CheckpointFiles(name, tuple(storage.files(name)), lambda filename: storage.read(name, filename)))
+
+    looking = threading.Thread(target=_quietly(look, log, f"listing checkpoint {storage.describe(name)}"),
+                               name="checkpoint-lookup", daemon=True)
+    looking.start()
+    looking.join(within_s)
+    if looking.is_alive():
+        log.warning("checkpoint %s not sent to the trackers: listing its files took more than %gs",
+                    storage.describe(name), within_s)
+    return found[0] if found else None
+
+
+def _quietly(action: Callable[[], None], log: logging.Logger, what: str) -> Callable[[], None]:
+    def run() -> None:
+        try:
+            action()
+        except Exception as error:  # noqa: BLE001 - any backend's error: the courtesy is skipped, with a word
+            log.warning("%s failed (%s); the trackers get no checkpoint", what, redact(described(error)))
+    return run

@@ -20,7 +20,7 @@ from trainer.config import Config
 from trainer.distributed import Runtime, agreed
 from trainer.errors import TaskError, described
 from trainer.evaluation import MetricSet
-from trainer.gpu import DeviceTuning, choose_tuning
+from trainer.gpu import DeviceTuning, choose_tuning, set_tf32
 from trainer.gradsync import GradSync, SyncOptions, build_grad_sync, unwrap
 from trainer.items import checked_collate
 from trainer.optimizers import build_optimizer
@@ -57,8 +57,9 @@ class TrainingSetup:
     state: StateParts  # what a checkpoint saves of these; the loop adds where training stands
 
     def inputs_on_device(self, batch: Any) -> Any:
-        """A batch as the model takes it: on the device (non-blocking copies), in the model's memory layout."""
-        return self.tuning.inputs(to_device(batch, self.device))
+        """A batch's inputs as the model takes them: on the device (non-blocking copies from pinned memory),
+        prepared there by the task's ``on_device`` (trainer.task.TaskData), in the model's memory layout."""
+        return inputs_on_device(batch, self.device, self.data.on_device, self.tuning)
 
     def autocast(self) -> AbstractContextManager[object]:
         return autocast_for(self.precision, self.device)
@@ -70,6 +71,14 @@ class TrainingSetup:
     def metric_set(self) -> MetricSet:
         """The loss and the task's metrics, on the training device, ready to update."""
         return MetricSet(self.new_metrics(), self.device, owner=f"task {self.task.describe()}")
+
+
+def inputs_on_device(batch: Any, device: torch.device, prepare: Callable[[Any], Any] | None,
+                     tuning: DeviceTuning) -> Any:
+    moved = to_device(batch, device)
+    if prepare is not None:
+        moved = prepare(moved)
+    return tuning.inputs(moved)
 
 
 def _loader(dataset: Dataset[Any], sampler: torch.utils.data.Sampler[int], batch_size: int, num_workers: int,
@@ -166,8 +175,9 @@ def build_training(config: Config, task: RunTask, runtime: Runtime,
     if not meta:
         model = model.to(device)
     tuning = choose_tuning(config.model.channels_last, config.model.cudnn_benchmark, device, model,
-                           trained_channels_last)
-    if trained_channels_last is not None and tuning.channels_last != trained_channels_last and identity.is_main:
+                           trained_channels_last, sharded=sync.sharded)
+    if (trained_channels_last is not None and not sync.sharded and tuning.channels_last != trained_channels_last
+            and identity.is_main):
         log.warning("--channels-last %s: the checkpoint was trained channels-last %s and this run trains %s; the "
                     "convolutions' results change in their last bits, so training goes on correctly but not "
                     "bitwise like an uninterrupted run (--channels-last auto keeps the checkpoint's layout)",
@@ -175,10 +185,12 @@ def build_training(config: Config, task: RunTask, runtime: Runtime,
                     "on" if tuning.channels_last else "off")
     model = tuning.apply(model)
     if tuning.channels_last and not meta:  # a model without weights cannot try a forward pass
-        tuning = agreed(runtime, lambda: _layout_that_runs(config, task, model, tuning, train_loader, device),
-                        TaskError)
-    if device.type == "cuda" and identity.is_main:
-        log.info("GPU settings: %s", tuning.describe())
+        tuning = agreed(runtime, lambda: _layout_that_runs(config, task, model, tuning, train_loader, device,
+                                                           data.on_device), TaskError)
+    if device.type == "cuda":
+        tf32 = set_tf32(config.optim.precision)
+        if identity.is_main:
+            log.info("GPU settings: %s, %s", tuning.describe(), tf32)
     seed_everything(seed + identity.rank)
 
     wrapped = agreed(runtime, lambda: sync.wrap(model), TaskError)
@@ -265,25 +277,26 @@ def rng_part() -> StatePart:
 
 
 def autocast_for(precision: str, device: torch.device) -> AbstractContextManager[object]:
-    if precision == "fp32":
+    if precision in ("fp32", "tf32"):  # tf32: float32 tensors, some of whose CUDA kernels use TF32 (trainer.gpu)
         return nullcontext()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def _layout_that_runs(config: Config, task: RunTask, model: nn.Module, tuning: DeviceTuning,
-                      loader: DataLoader[Any], device: torch.device) -> DeviceTuning:
+                      loader: DataLoader[Any], device: torch.device, prepare: Callable[[Any], Any] | None
+                      ) -> DeviceTuning:
     """Channels-last, unless the model cannot run in it: a forward pass that flattens a convolution's output
     with ``.view()`` fails on a channels-last tensor (``.reshape()`` or ``flatten`` would not). Tried now, on
     one training sample (evaluation mode, no gradients, the random generators restored), before anything is
     trained: under ``auto`` the run falls back to the default layout with a warning, under ``on`` it stops with
     one line. A model that fails in both layouts is left to the first-batch check, which names its error."""
-    failure = _forward_fails(config, model, tuning, loader, device)
+    failure = _forward_fails(config, model, tuning, loader, device, prepare)
     if failure is None:
         return tuning
     plain = DeviceTuning(channels_last=False, cudnn_benchmark=tuning.cudnn_benchmark)
     model.to(memory_format=torch.contiguous_format)
-    if _forward_fails(config, model, plain, loader, device) is not None:
+    if _forward_fails(config, model, plain, loader, device, prepare) is not None:
         model.to(memory_format=torch.channels_last)
         return tuning
     reason = f"the model's forward pass fails in channels-last memory layout ({described(failure)})"
@@ -297,13 +310,13 @@ def _layout_that_runs(config: Config, task: RunTask, model: nn.Module, tuning: D
 
 
 def _forward_fails(config: Config, model: nn.Module, tuning: DeviceTuning, loader: DataLoader[Any],
-                   device: torch.device) -> Exception | None:
+                   device: torch.device, prepare: Callable[[Any], Any] | None) -> Exception | None:
     dataset = loader.dataset
     assert isinstance(dataset, SeededItems)
     try:
         with isolated(), torch.no_grad():
             batch = loader.collate_fn(dataset.__getitems__([0]))
-            inputs = tuning.inputs(to_device(batch[0], device))
+            inputs = inputs_on_device(batch[0], device, prepare, tuning)
     except Exception:  # noqa: BLE001 - a broken dataset is the first-batch check's to report, with its index
         return None
     model.eval()

@@ -18,7 +18,7 @@ from trainer.seams import OPTIMIZERS, SYNC_METHODS, TRACKERS
 __all__ = ["SECTIONS", "CheckpointConfig", "Config", "DataConfig", "DistConfig", "ModelConfig", "OptimConfig",
            "OutputConfig", "TrackingConfig", "TrainConfig"]
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 DEFAULT_TASK = "classification"
 FLAG, REFUSE = ResumeRule.FLAG, ResumeRule.REFUSE
 
@@ -70,7 +70,8 @@ class OptimConfig:
                                          "faster, and no read of the step count into Python every step; a resume "
                                          "keeps the kernel its checkpoint was written with")
     clip_grad_norm: float = option(0.0, "clip the gradient norm to this value (0: off)", resume=FLAG)
-    precision: str = option("fp32", "fp32, bf16 autocast (CPU and GPU) or fp16 with a grad scaler (GPU)",
+    precision: str = option("fp32", "fp32 (on CUDA: no TF32), tf32 (fp32 with TF32 matmuls and convolutions on "
+                                    "CUDA; fp32 on CPU), bf16 autocast (CPU and GPU) or fp16 with a grad scaler (GPU)",
                             PRECISIONS, resume=FLAG)
 
     def __post_init__(self) -> None:
@@ -109,7 +110,8 @@ class DistConfig:
     backend: str = option("auto", "auto: nccl on CUDA, gloo on CPU", ("auto", "gloo", "nccl"))
     rendezvous_timeout_s: float = option(300.0, "how long to wait for the master address to accept connections")
     collective_timeout_s: float = option(600.0, "timeout of init_process_group and of each collective")
-    threads_per_rank: int = option(0, "torch threads per rank on CPU (0: OMP_NUM_THREADS, else cores / local ranks)")
+    threads_per_rank: int = option(0, "torch threads per rank, on any device (0: OMP_NUM_THREADS, else cores / local "
+                                          "ranks)")
     master_port: int = option(0, "the master's TCP port where the launcher names none (Slurm's srun); 0: MASTER_PORT, "
                                  "else 20000 + the job id mod 10000")
     job_id: str = option("", "this job's name for the checkpoint folder's lease, the same for all its restarts and "

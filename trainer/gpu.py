@@ -1,6 +1,7 @@
 """What a GPU run sets up that a CPU run does not: channels-last memory and cuDNN's autotuner where they
-help, NCCL's asynchronous error handling with a timeout placed after the trainer's own diagnosis, and the
-advice a timed-out NCCL collective needs (the flight recorder is trainer.flight_recorder's, for every backend).
+help, TF32 as --precision says, NCCL's asynchronous error handling with a timeout placed after the trainer's
+own diagnosis, and the advice a timed-out NCCL collective needs (the flight recorder is
+trainer.flight_recorder's, for every backend).
 
 Everything here is decided from the config and the device, and told in one log line (``describe``); none of
 it changes what a CPU run does.
@@ -18,7 +19,7 @@ from torch import nn
 from trainer.task import map_tensors
 
 __all__ = ["DeviceTuning", "apply_nccl_environment", "checkpoint_layout", "choose_tuning", "nccl_environment",
-           "nccl_timeout_advice", "peak_memory"]
+           "nccl_timeout_advice", "peak_memory", "set_tf32"]
 
 NCCL_DEFAULTS = {
     # A collective past NCCL's timeout aborts its communicator and ends the process (the launcher restarts the
@@ -34,12 +35,17 @@ NCCL_DEFAULTS = {
 class DeviceTuning:
     """Per-run choices that only matter on CUDA."""
 
-    channels_last: bool  # model and 4-D inputs in NHWC: cuDNN's tensor-core convolutions want it
+    channels_last: bool  # 4-D inputs, and so the activations, in NHWC: cuDNN's tensor-core convolutions want it
     cudnn_benchmark: bool  # cuDNN times its algorithms for each new input shape and keeps the fastest
+    # The weights in NHWC too. Not under a sharded --sync: FSDP2 shards and gathers contiguous parameters only
+    # (it refuses others: pytorch/pytorch#166291). A convolution whose input is channels-last runs channels-last
+    # whatever its weight's layout (torch converts the weight for the call), so the activations keep the layout.
+    weights_channels_last: bool = True
 
     def apply(self, model: nn.Module) -> nn.Module:
         torch.backends.cudnn.benchmark = self.cudnn_benchmark
-        return model.to(memory_format=torch.channels_last) if self.channels_last else model
+        return model.to(memory_format=torch.channels_last) if self.channels_last and self.weights_channels_last \
+            else model
 
     def inputs(self, batch: Any) -> Any:
         """A batch's 4-D tensors in channels-last layout (after the copy to the device); others unchanged."""
@@ -49,12 +55,14 @@ class DeviceTuning:
                            if tensor.dim() == 4 else tensor)
 
     def describe(self) -> str:
-        return (f"channels-last {'on' if self.channels_last else 'off'}, cuDNN autotuner "
+        activations = " (activations only: sharded parameters stay contiguous)" if self.channels_last and not \
+            self.weights_channels_last else ""
+        return (f"channels-last {'on' if self.channels_last else 'off'}{activations}, cuDNN autotuner "
                 f"{'on' if self.cudnn_benchmark else 'off'}")
 
 
 def choose_tuning(channels_last: str, cudnn_benchmark: str, device: torch.device, model: nn.Module,
-                  trained_channels_last: bool | None = None) -> DeviceTuning:
+                  trained_channels_last: bool | None = None, sharded: bool = False) -> DeviceTuning:
     """``auto`` means: on CUDA, channels-last for a model with 2-D convolutions and the autotuner for any
     model (a run's input shapes repeat: the one-off timing pays back within steps). Off on the CPU, where
     cuDNN does not run and NHWC changes the arithmetic's order: CPU runs keep their exact numbers, and a
@@ -63,12 +71,15 @@ def choose_tuning(channels_last: str, cudnn_benchmark: str, device: torch.device
     ``trained_channels_last``: the layout the checkpoint being resumed was trained in (``checkpoint_layout``).
     ``auto`` keeps it, whatever the device: a convolution's results differ in their last bits between the two
     layouts, so only the checkpoint's layout continues bitwise like an uninterrupted run (a GPU checkpoint
-    resumed on CPU stays channels-last). ``on`` and ``off`` are obeyed."""
+    resumed on CPU stays channels-last). ``on`` and ``off`` are obeyed.
+
+    ``sharded``: the parameters stay contiguous (FSDP's), and only the inputs change layout; a sharded
+    checkpoint's weights say nothing of the layout it trained in, so ``auto`` decides by the device alone."""
     cuda = device.type == "cuda"
     has_conv = any(isinstance(module, nn.Conv2d) for module in model.modules())
-    automatic = cuda and has_conv if trained_channels_last is None else trained_channels_last
+    automatic = cuda and has_conv if trained_channels_last is None or sharded else trained_channels_last
     return DeviceTuning(channels_last=_decide(channels_last, automatic),
-                        cudnn_benchmark=_decide(cudnn_benchmark, cuda))
+                        cudnn_benchmark=_decide(cudnn_benchmark, cuda), weights_channels_last=not sharded)
 
 
 def checkpoint_layout(model_state: Mapping[str, Any]) -> bool:
@@ -79,6 +90,23 @@ def checkpoint_layout(model_state: Mapping[str, Any]) -> bool:
         if isinstance(tensor, torch.Tensor) and tensor.dim() == 4 and not tensor.is_contiguous():
             return tensor.is_contiguous(memory_format=torch.channels_last)
     return False
+
+
+def set_tf32(precision: str) -> str:
+    """TF32 for the float32 matrix multiplications and convolutions on CUDA, from --precision: on only for
+    ``tf32``. Under fp32 a float32 result is computed in float32 (cuDNN's convolutions default to TF32, cuBLAS's
+    matmuls do not: left alone, the two would differ, and a GPU run would differ from a CPU run by TF32's 10-bit
+    mantissa rather than by the order of its sums). Under bf16 and fp16 autocast computes the matmuls and
+    convolutions in that type; what it leaves in float32 (losses, norms) is precision-sensitive and stays so.
+    Returns what was set, for the log. CPU kernels are not touched."""
+    value = "tf32" if precision == "tf32" else "ieee"
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9; mixing it with allow_tf32 raises
+        torch.backends.cuda.matmul.fp32_precision = value
+        torch.backends.cudnn.conv.fp32_precision = value
+    else:  # pragma: no cover - older torch
+        torch.backends.cuda.matmul.allow_tf32 = value == "tf32"
+        torch.backends.cudnn.allow_tf32 = value == "tf32"
+    return f"TF32 {'on' if value == 'tf32' else 'off'} for float32 matmuls and convolutions"
 
 
 def _decide(setting: str, auto: bool) -> bool:

@@ -78,6 +78,10 @@ class TaskData:
     deterministic_items: bool = False
     # Items are slices of tensors already in memory: DataLoader workers would only add overhead.
     in_memory: bool = False
+    # Applied to each batch's inputs once they are on the device, before the model: the part of preparing a
+    # batch that is cheaper there (uint8 images normalised to float: a quarter of the bytes cross the bus, and
+    # the GPU does in microseconds what the host's cores would spend milliseconds on). Same result on the CPU.
+    on_device: Callable[[Any], Any] | None = None
 
 
 @dataclass(frozen=True)

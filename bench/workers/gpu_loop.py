@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainer.data import make_synthetic
+from trainer.data import cached_synthetic
 from trainer.models import build_model
 
 
@@ -117,7 +117,9 @@ LOOPS: dict[str, Callable[[torch.device], Loop]] = {"minimal": MinimalLoop, "acc
 
 def train(loop: Loop, args: argparse.Namespace) -> list[float]:
     shape = tuple(int(size) for size in args.shape.split(","))
-    train_set, _, info = make_synthetic(shape, args.classes, args.train_size, 1)  # type: ignore[arg-type]
+    # The trainer's very images, from the bench's cache (generated once per bench run).
+    train_set, _, info = cached_synthetic(args.cache_dir, shape, args.classes, args.train_size,  # type: ignore[arg-type]
+                                          args.test_size)
     scale = (1.0 / (255.0 * torch.tensor(train_set.std))).view(1, -1, 1, 1).to(loop.device)
     shift = (-torch.tensor(train_set.mean) / torch.tensor(train_set.std)).view(1, -1, 1, 1).to(loop.device)
     torch.manual_seed(0)
@@ -160,8 +162,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--shape", required=True, help="C,H,W")
-    for name in ("--classes", "--train-size", "--batch-size", "--steps", "--log-every"):
+    for name in ("--classes", "--train-size", "--test-size", "--batch-size", "--steps", "--log-every"):
         parser.add_argument(name, type=int, required=True)
+    parser.add_argument("--cache-dir", type=Path, required=True, help="where the generated images are kept")
     return parser.parse_args(argv)
 
 

@@ -5,6 +5,7 @@ at another one with every sample trained exactly once, convert to and from DDP c
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -17,8 +18,15 @@ import torch
 from bench.figures.sharded import FIXED_MMAP_THRESHOLD
 from devtools.processes import REPO_ROOT, TORCHRUN, clean_env, env_ranks, free_port, run, torchrun
 from tests.integration.test_resize import LEDGER, assert_each_sample_trained_once, ledger
-from tests.support.checkpoint_reading import assert_same_tensors, newest_checkpoint, summary, wait_for_checkpoint
+from tests.support.checkpoint_reading import (
+    assert_same_tensors,
+    newest_checkpoint,
+    summary,
+    wait_for_checkpoint,
+    whole,
+)
 from tests.support.sample_logs import global_order
+from trainer.checkpoint import open_storage, verify
 from trainer.errors import EXIT_PREEMPTED
 from trainer.sampler import ResumableDistributedSampler
 
@@ -267,3 +275,49 @@ def test_compile_over_a_sharded_model_trains_the_same_steps(tmp_path):
     assert "--sync fsdp: " in compiled.stderr
     eager = newest_checkpoint(tmp_path / "eager" / "checkpoints")[2]
     assert_close(newest_checkpoint(tmp_path / "compiled" / "checkpoints")[2], eager)
+
+
+def test_batchnorm_computes_in_fp32_inside_its_block_without_collectives_of_its_own():
+    """bf16 FSDP over a net with a BatchNorm in each of its 3 blocks and one at the stem: 4 units (blocks and
+    root), so one step gathers each unit for the forward, each but the root again for the backward, and
+    reduce-scatters each once; every batch-norm kernel computes in fp32. A unit per BatchNorm would add 2
+    all-gathers and a reduce-scatter for each of the 4."""
+    result = torchrun(["bf16"], nproc=2, module="tests.workers.fsdp_collectives")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "units 4 all-gathers 7 reduce-scatters 4 batchnorm-compute float32" in result.stdout, result.stdout
+
+
+def test_each_async_sharded_save_holds_one_step_with_adamw_and_batchnorm(tmp_path):
+    """AdamW's step count and BatchNorm's statistics are plain tensors that rank 0 writes beside the rows; an
+    asynchronous save must copy them at the step it saves, not when its thread gets to them while training goes
+    on. Saves after steps 3, 6 and 9 (and the epoch's end) of an asynchronous run and a synchronous one,
+    compared tensor by tensor, bitwise."""
+    flags = ["--optimizer", "adamw", "--checkpoint-every", "3", "--keep-last", "10"]
+    launch(2, tmp_path / "sync", *flags)
+    # Each writer starts 0.3 s late (tests/workers/slow_copy.py): training has gone on by then.
+    args = [*ARGS, "--batch-size", str(GLOBAL_BATCH // 2), "--output-dir", str(tmp_path / "async"), "--sync", "fsdp",
+            *flags, "--async-checkpoint"]
+    result = torchrun(args, nproc=2, module="tests.workers.slow_copy")
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = [3, 6, 9, 10]
+    for step in steps:
+        saved = {}
+        for kind in ("sync", "async"):
+            loaded = verify(open_storage(str(tmp_path / kind / "checkpoints")), f"step-{step:08d}")
+            saved[kind] = whole(loaded)
+        assert saved["async"]["position"]["step"] == step
+        for part in ("model", "optimizer"):
+            assert_same_tensors(saved["async"][part], saved["sync"][part], f"step {step}: {part}")
+
+
+def test_a_sharded_save_whose_reports_never_reach_rank_0_fails_on_every_rank_and_leaves_no_folder(tmp_path):
+    args = [*ARGS, "--batch-size", str(GLOBAL_BATCH // 2), "--output-dir", str(tmp_path), "--sync", "fsdp",
+            "--checkpoint-every", "3"]
+    result = torchrun(args, nproc=2, module="tests.workers.broken_gather")
+    exits = re.findall(r"^\s*exitcode\s*: (\d+)", result.stderr, re.MULTILINE)  # torchrun's summary of its ranks
+    assert sorted(exits) == ["2", "2"], result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if "] error:" in line]
+    assert len(lines) == 2 and all("checkpoint" in line and "step-00000003" in line and "did not reach rank 0"
+                                   in line for line in lines), lines
+    assert "step-00000003 written" not in result.stderr
+    assert not list((tmp_path / "checkpoints").glob("*step-*")), list((tmp_path / "checkpoints").iterdir())

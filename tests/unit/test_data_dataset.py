@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader
 
 from trainer.build import first
 from trainer.data import ImageTensorDataset, collate_batch, load_datasets
+from trainer.data import synthetic as synthetic_module
 from trainer.distributed import Runtime
 from trainer.launchers import identity_from_env
 from trainer.tasks import ClassificationOptions as Options
@@ -117,3 +118,31 @@ def test_max_samples_keep_the_first_n_and_the_batched_lookup() -> None:
     assert len(test) == 7 and torch.equal(test.labels, full_test.labels[:7])
     items = [(torch.tensor([float(i)]), i) for i in range(10)]
     assert [x for _, x in first(items, 3)] == [0, 1, 2] and first(items, 0) is items  # any map-style dataset
+
+
+def test_a_synthetic_dataset_is_generated_once_into_the_cache_and_read_back_the_same(tmp_path, monkeypatch) -> None:
+    made, generated = [], synthetic_module.make_synthetic
+
+    def counting(*args: object) -> object:
+        made.append(args)
+        return generated(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(synthetic_module, "make_synthetic", counting)
+    sizes = {"synthetic_shape": "3,6,5", "synthetic_train_size": 24, "synthetic_test_size": 8}
+    first_train, first_test = synthetic(data_cache_dir=str(tmp_path), **sizes)
+    again_train, again_test = synthetic(data_cache_dir=str(tmp_path), **sizes)
+    assert len(made) == 1 and [path.name for path in tmp_path.iterdir()] == ["synthetic-v2-3x6x5-10-24-8.pt"]
+    plain_train, plain_test = synthetic(**sizes)
+    for dataset in (first_train, again_train):
+        assert torch.equal(dataset.images, plain_train.images) and torch.equal(dataset.labels, plain_train.labels)
+        assert (dataset.mean, dataset.std) == (plain_train.mean, plain_train.std)
+    assert torch.equal(again_test.images, plain_test.images) and torch.equal(again_test.labels, plain_test.labels)
+    synthetic(data_cache_dir=str(tmp_path), **{**sizes, "synthetic_train_size": 32})
+    assert len(made) == 2  # other sizes: another file
+
+
+def test_synthetic_statistics_match_a_direct_float_computation() -> None:
+    train, _ = synthetic(synthetic_shape="3,9,7", synthetic_train_size=600, synthetic_test_size=4)
+    as_float = train.images.double() / 255
+    assert train.mean == pytest.approx(as_float.mean(dim=(0, 2, 3)).tolist(), rel=1e-12)
+    assert train.std == pytest.approx(as_float.std(dim=(0, 2, 3)).tolist(), rel=1e-9)

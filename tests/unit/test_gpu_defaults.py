@@ -9,9 +9,11 @@ import pytest
 import torch
 from torch import nn
 
+from tests.support.data_files import write_image_folder
 from trainer.build import build_training
 from trainer.cli import parse_config
-from trainer.distributed import Runtime, nccl_timeout_s
+from trainer.config import DistConfig
+from trainer.distributed import Runtime, destroy_process_group, init_process_group, nccl_timeout_s
 from trainer.errors import TaskError
 from trainer.flight_recorder import (
     apply_recorder_environment,
@@ -19,7 +21,7 @@ from trainer.flight_recorder import (
     reading_advice,
     recorder_environment,
 )
-from trainer.gpu import choose_tuning, nccl_environment, nccl_timeout_advice
+from trainer.gpu import choose_tuning, nccl_environment, nccl_timeout_advice, set_tf32
 from trainer.launchers import identity_from_env
 from trainer.liveness import PROGRESS_GRACE_S
 
@@ -59,6 +61,66 @@ def test_a_run_with_channels_last_on_builds_an_nhwc_model_and_feeds_it_nhwc_batc
     inputs, _ = next(iter(setup.train_loader))
     assert setup.inputs_on_device(inputs).is_contiguous(memory_format=torch.channels_last)
     assert setup.tuning.cudnn_benchmark is False  # auto, on a CPU
+
+
+@pytest.mark.parametrize("dataset", ["synthetic", "imagefolder"])
+def test_images_cross_to_the_device_as_uint8_and_are_normalised_there_as_on_the_host(tmp_path, dataset):
+    """What the loader hands to the copy is what crosses the bus: one byte a pixel (float32 would be four), pinned
+    on CUDA; the task's on_device step gives the model exactly the float32 images the host would have made."""
+    flags = ["--synthetic-shape", "3,8,8", "--synthetic-train-size", "16", "--synthetic-test-size", "8"]
+    if dataset == "imagefolder":
+        write_image_folder(tmp_path / "images", {"a": 4, "b": 4}, size=(10, 12))
+        flags = ["--data-dir", str(tmp_path / "images"), "--image-size", "8", "--eval-fraction", "0.25"]
+    config, task = parse_config(["--dataset", dataset, *flags, "--batch-size", "4", "--num-workers", "0",
+                                 "--output-dir", str(tmp_path / "run")])
+    setup = build_training(config, task, ONE_PROCESS)
+    inputs, _ = next(iter(setup.train_loader))
+    assert inputs.dtype == torch.uint8 and inputs.nbytes // len(inputs) == 3 * 8 * 8
+    for loader in (setup.train_loader, setup.eval_loader):
+        assert loader.pin_memory is False  # True on CUDA: trainer.build pins for a CUDA device
+    on_host = setup.data.train
+    prepared = setup.inputs_on_device(inputs)
+    assert prepared.dtype == torch.float32
+    torch.testing.assert_close(prepared, on_host.normalise(inputs), rtol=0, atol=0)
+    expected = (inputs.float() / 255 - torch.tensor(on_host.normalise.mean).view(3, 1, 1)) / torch.tensor(
+        on_host.normalise.std).view(3, 1, 1)
+    torch.testing.assert_close(prepared, expected)
+
+
+def test_under_fsdp_channels_last_reaches_the_activations_and_the_sharded_parameters_stay_contiguous(tmp_path):
+    """FSDP2 refuses non-contiguous parameters (NotImplementedError): the model keeps its layout and the inputs
+    turn NHWC, which each convolution keeps for its output. A training step runs."""
+    config, task = parse_config(["--dataset", "synthetic", "--synthetic-shape", "3,12,12", "--synthetic-train-size",
+                                 "16", "--synthetic-test-size", "8", "--batch-size", "4", "--channels-last", "on",
+                                 "--sync", "fsdp", "--output-dir", str(tmp_path)])
+    runtime = init_process_group(DistConfig(), identity_from_env({}), torch.device("cpu"))
+    try:
+        setup = build_training(config, task, runtime)
+        assert setup.tuning.describe().startswith("channels-last on (activations only")
+        assert all(parameter.to_local().is_contiguous() for parameter in setup.model.parameters())
+        layouts = []
+        for module in setup.model.modules():
+            if isinstance(module, nn.Conv2d):
+                module.register_forward_hook(lambda _, __, output: layouts.append(
+                    output.is_contiguous(memory_format=torch.channels_last) and not output.is_contiguous()))
+        inputs, targets = next(iter(setup.train_loader))
+        setup.instance.loss(setup.model(setup.inputs_on_device(inputs)), targets).backward()
+        assert layouts and all(layouts)
+    finally:
+        destroy_process_group()
+
+
+def test_tf32_follows_the_precision_flag():
+    before = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
+    try:
+        assert set_tf32("tf32") == "TF32 on for float32 matmuls and convolutions"
+        assert (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision) == ("tf32",) * 2
+        for precision in ("fp32", "bf16", "fp16"):
+            assert set_tf32(precision) == "TF32 off for float32 matmuls and convolutions"
+            assert (torch.backends.cuda.matmul.fp32_precision,
+                    torch.backends.cudnn.conv.fp32_precision) == ("ieee", "ieee")
+    finally:
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = before
 
 
 def test_the_nccl_and_flight_recorder_defaults_leave_the_users_own_settings_alone(tmp_path):

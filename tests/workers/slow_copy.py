@@ -2,8 +2,9 @@
 competes with training for memory bandwidth or waits for a busy GPU.
 
 ``python -m tests.workers.slow_copy [trainer flags] --async-checkpoint``: each background write waits
-SLOW_COPY_S seconds (default 0.3) before it copies the tensors it was handed. Training goes on meanwhile:
-only ``before_update`` keeps the next optimizer step from changing the parameters before they are copied.
+SLOW_COPY_S seconds (default 0.3) before it copies the tensors it was handed (a sharded save's writer too,
+before it writes anything). Training goes on meanwhile: only ``before_update`` keeps the next optimizer step
+from changing the parameters before they are copied, and only the copies ``save()`` made keep anything else.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import trainer
 from trainer.checkpoint.manager import CheckpointManager
 
 _write_in_background = CheckpointManager._write_in_background
+_write_sharded = CheckpointManager._write_sharded
 
 
 def _late_copy(self: CheckpointManager, *args: object) -> None:
@@ -23,6 +25,12 @@ def _late_copy(self: CheckpointManager, *args: object) -> None:
     _write_in_background(self, *args)  # type: ignore[arg-type]
 
 
+def _late_sharded_write(self: CheckpointManager, *args: object) -> None:
+    time.sleep(float(os.environ.get("SLOW_COPY_S", "0.3")))
+    _write_sharded(self, *args)  # type: ignore[arg-type]
+
+
 if __name__ == "__main__":
     CheckpointManager._write_in_background = _late_copy  # type: ignore[method-assign]
+    CheckpointManager._write_sharded = _late_sharded_write  # type: ignore[method-assign]
     sys.exit(trainer.run())

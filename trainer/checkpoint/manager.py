@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from trainer.checkpoint.schema import (
     TrainingState,
     library_versions,
 )
+from trainer.checkpoint.snapshot import HostSnapshots, Snapshot
 from trainer.checkpoint.storage import (
     MANIFEST,
     CheckpointStorage,
@@ -204,8 +206,9 @@ class CheckpointManager:
         self._writer_deadline = 0.0  # time.monotonic() by which the background write must be done
         self._writer_name = ""
         self._stalled = False  # a write outlasted --checkpoint-timeout-s: its thread is abandoned, not joined
-        self._copied: threading.Event | None = None  # set once an asynchronous save's deferred copies are done
-        self._buffers: dict[str, torch.Tensor] = {}
+        self.last_committed: str | None = None  # the name of the newest checkpoint this run committed
+        self._snapshots: list[Snapshot] = []  # the asynchronous save's copies that before_update waits for
+        self._host = HostSnapshots()
         self._side_group: Any = None  # the sharded writers' own gloo group, made at the first sharded save
         self.lease: CheckpointLease | None = None
 
@@ -300,12 +303,10 @@ class CheckpointManager:
             state.versions = library_versions()
             raw, described = state.to_dict(), state.manifest(metrics)
             name = checkpoint_name(state.position.step)
-            later: list[tuple[torch.Tensor, torch.Tensor]] = []
-            if self.config.async_checkpoint:
-                raw = self._snapshot(raw, "", changed_by_step_only, later)
+            raw, copies = self._take(raw, "", changed_by_step_only)
             # A synchronous save is written by the same thread, and waited for at once: either way a file
             # system that never answers cannot hold the job past --checkpoint-timeout-s.
-            self._start_writer(name, raw, described, later)
+            self._launch_writer(name, self._write_in_background, (name, raw, described, copies))
             if not self.config.async_checkpoint:
                 error, stalled = self._wait_for_writer()
         if not self.config.async_checkpoint:
@@ -331,28 +332,33 @@ class CheckpointManager:
         assert temporary is not None
         if self._side_group is None and self.runtime.identity.world_size > 1:
             # The writers report to rank 0 from their threads: collectives of their own, apart from training's.
-            self._side_group = dist.new_group(backend="gloo")
-        local = split.local
-        if self.config.async_checkpoint:  # training goes on meanwhile: a copy in host memory is written
-            local = self._snapshot(split.local, "/shards", lambda path: False, [])
+            # Their timeout is the save's (gloo's default, 30 minutes, would end a longer allowed save early).
+            self._side_group = dist.new_group(backend="gloo",
+                                              timeout=timedelta(seconds=self.config.checkpoint_timeout_s))
+        # Training goes on meanwhile under --async-checkpoint: copies in host memory are written, this rank's rows
+        # and, on rank 0, the plain tensors of the same step (AdamW's step count, BatchNorm's statistics).
+        local, copies = self._take(split.local, "/shards", lambda path: False)
         raw: dict[str, Any] = {}
         described: dict[str, Any] = {}
         if self.runtime.is_main:
             state.parts = {**split.plain, **{part: values or [] for part, values in gathered.items()}}
             state.versions = library_versions()
             raw, described = state.to_dict(), state.manifest(metrics)
-        self._copied = None
-        self._launch_writer(name, self._write_sharded, (name, temporary, local, split.rows, raw, described))
+            raw, plain_copies = self._take(raw, "", lambda path: False)
+            copies = copies + plain_copies
+        self._launch_writer(name, self._write_sharded, (name, temporary, local, split.rows, raw, described, copies))
         if not self.config.async_checkpoint:
             self._raise_everywhere(*self._wait_for_writer())
 
     def _write_sharded(self, name: str, temporary: str, local: dict[str, torch.Tensor],
-                       rows: dict[str, list[int]], raw: dict[str, Any], manifest_extra: dict[str, Any]) -> None:
+                       rows: dict[str, list[int]], raw: dict[str, Any], manifest_extra: dict[str, Any],
+                       copies: list[Snapshot]) -> None:
         started = time.perf_counter()
         rank = self.runtime.identity.rank
         written: dict[str, Any] | None = None
         failure = None
         try:
+            self._on_writer_thread(copies)
             if local:
                 written = self.storage.write_file(temporary, shards.shard_file(rank),
                                                   lambda handle: save_state(local, handle))
@@ -363,10 +369,19 @@ class CheckpointManager:
         except Exception as error:  # noqa: BLE001 - reported by rank 0; this thread must reach the gather
             failure = f"rank {rank} could not write its shards: {error!r}"
         reports = [(written, rows, failure)]
-        if self._side_group is not None:
-            everyone: list[Any] | None = [None] * self.runtime.identity.world_size if self.runtime.is_main else None
-            dist.gather_object((written, rows, failure), everyone, dst=0, group=self._side_group)
-            reports = everyone or []
+        try:
+            if self._side_group is not None:
+                everyone: list[Any] | None = ([None] * self.runtime.identity.world_size if self.runtime.is_main
+                                              else None)
+                dist.gather_object((written, rows, failure), everyone, dst=0, group=self._side_group)
+                reports = everyone or []
+        except Exception as error:  # noqa: BLE001 - a save whose reports never arrived is a failed save
+            self._writer_error = (f"the ranks' reports of checkpoint {self.storage.describe(name)} did not reach "
+                                  f"rank 0 ({' '.join(str(error).split())[:300]}). The previous checkpoints are "
+                                  f"untouched")
+            if self.runtime.is_main:
+                self.storage.abandon(temporary)
+            return
         if not self.runtime.is_main:
             return
         try:
@@ -383,10 +398,23 @@ class CheckpointManager:
         except Exception as problem:  # noqa: BLE001 - reported to every rank by the next save or finish
             self._writer_error = f"checkpoint write failed: {problem!r}"
 
-    def _start_writer(self, name: str, state: dict[str, Any], manifest_extra: dict[str, Any],
-                      later: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self._copied = threading.Event()
-        self._launch_writer(name, self._write_in_background, (name, state, manifest_extra, later, self._copied))
+    def _take(self, state: Any, path: str, deferrable: Callable[[str], bool]) -> tuple[Any, list[Snapshot]]:
+        """Under --async-checkpoint, the state as host copies (trainer.checkpoint.snapshot) and the copies to
+        complete; else the state itself, written before training goes on."""
+        if not self.config.async_checkpoint:
+            return state, []
+        snapshot = self._host.take(state, path, deferrable)
+        self._snapshots.append(snapshot)
+        return snapshot.state, [snapshot]
+
+    def _on_writer_thread(self, copies: list[Snapshot]) -> None:
+        """The writer thread's start: its CUDA device is the rank's (not device 0, where a context of its own
+        would take memory on another rank's GPU), and the copies it writes have landed."""
+        if self.runtime.device.type == "cuda":
+            torch.cuda.set_device(self.runtime.device)
+        for snapshot in copies:
+            snapshot.complete()
+        self.last_timing.copied_later_bytes = sum(snapshot.copied_later_bytes for snapshot in copies)
 
     def _launch_writer(self, name: str, target: Callable[..., None], args: tuple[Any, ...]) -> None:
         # A daemon: a write stuck in a hung file system must not keep the process from exiting.
@@ -403,13 +431,18 @@ class CheckpointManager:
 
     def before_update(self) -> None:
         """Before the optimizer changes the parameters: an asynchronous save's copy of them is complete."""
-        if self._copied is not None:
-            self._copied.wait()
-            self._copied = None
+        snapshots, self._snapshots = self._snapshots, []
+        for snapshot in snapshots:
+            snapshot.before_update()
 
     def finish(self) -> None:
         """Wait for a background write and make its failure every rank's error."""
         self._raise_everywhere(*self._wait_for_writer())
+
+    @property
+    def stalled(self) -> bool:
+        """Whether a write outlasted --checkpoint-timeout-s: the storage may not answer any more."""
+        return self._stalled
 
     def release_lease(self) -> None:
         """Release the folder's lease now, without waiting for a save in progress (an exit without one)."""
@@ -423,7 +456,14 @@ class CheckpointManager:
             self.release_lease_within(RELEASE_AFTER_STALL_S)
             return
         if self._writer is not None:
-            self._writer.join()  # a save still being written belongs to this job's time in the folder
+            # A save still being written belongs to this job's time in the folder, up to its deadline; past it,
+            # the write is given up (_may_still_commit) and the lease released as after any stall.
+            self._writer.join(max(0.0, self._writer_deadline - time.monotonic()))
+            if self._writer.is_alive():
+                self._stalled = True
+                self.log.warning("%s", self._stalled_message(self._writer_name))
+                self.release_lease_within(RELEASE_AFTER_STALL_S)
+                return
         self.release_lease()
 
     def release_lease_within(self, seconds: float) -> None:
@@ -432,41 +472,10 @@ class CheckpointManager:
         releaser.start()
         releaser.join(seconds)
 
-    def _snapshot(self, state: Any, path: str, deferrable: Callable[[str], bool],
-                  later: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-        """Copy tensors into CPU buffers kept between saves (copy_ into a preallocated tensor is several
-        times faster than clone()), so training can go on changing the originals; those ``deferrable``
-        names go to ``later`` instead, for the background thread to copy."""
-        if isinstance(state, torch.Tensor):
-            buffer = self._buffers.get(path)
-            if (buffer is None or buffer.shape != state.shape or buffer.dtype != state.dtype
-                    or buffer.stride() != state.stride()):
-                # Laid out like the original (channels-last stays channels-last), as a synchronous save writes
-                # it: a resume must find the optimizer's state in its parameters' layout (trainer.optimizers).
-                buffer = torch.empty_like(state, device="cpu")
-                self._buffers[path] = buffer
-            if deferrable(path):
-                later.append((buffer, state.detach()))
-            else:
-                buffer.copy_(state.detach())
-            return buffer
-        if isinstance(state, dict):
-            return type(state)((key, self._snapshot(value, f"{path}/{key}", deferrable, later))
-                               for key, value in state.items())
-        if isinstance(state, list | tuple):
-            return type(state)(self._snapshot(value, f"{path}/{index}", deferrable, later)
-                               for index, value in enumerate(state))
-        return state
-
     def _write_in_background(self, name: str, state: dict[str, Any], manifest_extra: dict[str, Any],
-                             later: list[tuple[torch.Tensor, torch.Tensor]], copied: threading.Event) -> None:
+                             copies: list[Snapshot]) -> None:
         try:
-            try:
-                for buffer, tensor in later:
-                    buffer.copy_(tensor)
-                self.last_timing.copied_later_bytes = sum(buffer.nbytes for buffer, _ in later)
-            finally:
-                copied.set()  # training may update the parameters now (or after a failed copy: nothing to wait for)
+            self._on_writer_thread(copies)
             self._write(name, state, manifest_extra)
         except CheckpointError as problem:
             self._writer_error = str(problem)
@@ -494,6 +503,9 @@ class CheckpointManager:
         written: dict[str, dict[str, Any]] = {}
 
         def make_manifest(files: dict[str, dict[str, Any]]) -> bytes:
+            # Called once every other file is written, just before the manifest makes the folder a checkpoint:
+            # the last moment to find that this write may no longer commit (storage.commit then removes it).
+            self._may_still_commit(name)
             written.update(files)
             manifest = {"format": SHARDED_FORMAT if shard_files else FORMAT, **manifest_extra,
                         "created_unix": time.time(), "files": files}
@@ -509,7 +521,18 @@ class CheckpointManager:
         sharded = f" in {len(written)} files from {len(shard_files)} rank(s)" if shard_files else ""
         self.log.info("checkpoint %s written (%.1f MB%s in %.2fs)", self.storage.describe(name),
                       self.last_timing.bytes / 1e6, sharded, self.last_timing.write_s)
+        self._may_still_commit(name)
+        self.last_committed = name
         self._prune(written=name)
+
+    def _may_still_commit(self, name: str) -> None:
+        """A write that outlasted --checkpoint-timeout-s was given up (the job was told it stalled, and may be
+        gone, its lease released): if the storage answers again later, it must neither commit nor prune. Nor
+        may a write whose job lost the lease meanwhile."""
+        if self._stalled or time.monotonic() > self._writer_deadline:
+            raise CheckpointError(f"checkpoint {self.storage.describe(name)} was not committed: its write outlasted "
+                                  f"--checkpoint-timeout-s ({self.config.checkpoint_timeout_s:g}s) and was given up")
+        self._check_lease()
 
     def _prune(self, written: str) -> None:
         """Keep the newest ``keep_last`` committed checkpoints up to the one just written and, optionally,

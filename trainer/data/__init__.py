@@ -6,8 +6,8 @@ from trainer.data.idx import read_idx, write_idx
 from trainer.data.imagefolder import ImageFolderDataset
 from trainer.data.loading import DATASETS, load_datasets
 from trainer.data.locate import SHIPPED_FASHION_MNIST, SYSTEM_FASHION_MNIST, default_data_dir
-from trainer.data.synthetic import make_synthetic
+from trainer.data.synthetic import cached_synthetic, make_synthetic
 
 __all__ = ["DATASETS", "SHIPPED_FASHION_MNIST", "SYSTEM_FASHION_MNIST", "DatasetInfo", "ImageFolderDataset",
-           "ImageTensorDataset", "collate_batch", "default_data_dir", "load_datasets", "make_synthetic", "read_idx",
-           "write_idx"]
+           "ImageTensorDataset", "cached_synthetic", "collate_batch", "default_data_dir", "load_datasets",
+           "make_synthetic", "read_idx", "write_idx"]

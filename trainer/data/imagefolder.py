@@ -6,7 +6,8 @@
 
 Files are JPEG, PNG, BMP, GIF or WebP; classes are the folder names in sorted order, as torchvision's
 ImageFolder numbers them. Images are decoded (with Pillow) when an item is fetched, so in DataLoader
-workers: RGB, the shorter side resized to --image-size, then a centre crop to a square. DATA_DIR may be an fsspec
+workers: RGB, the shorter side resized to --image-size, then a centre crop to a square, as uint8; the built-in
+task normalises it on the device, after the copy (trainer.data.dataset.Normalise). DATA_DIR may be an fsspec
 URL: one rank per node copies the tree into the local cache first, each file written under a
 temporary name and renamed, so no reader ever sees half a file.
 """
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from trainer.data.dataset import DatasetInfo
+from trainer.data.dataset import DatasetInfo, Normalise
 from trainer.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -37,14 +38,20 @@ COPY_CHUNK = 8 << 20
 
 
 class ImageFolderDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """Image files and their class indices; an item is the decoded, resized, normalised image and its label."""
+    """Image files and their class indices; an item is the decoded, resized, normalised image and its label
+    (with ``normalise_on_device``: the uint8 image, for ``normalise`` on the device after the copy)."""
 
-    def __init__(self, files: Sequence[Path], labels: Sequence[int], image_size: int) -> None:
+    def __init__(self, files: Sequence[Path], labels: Sequence[int], image_size: int,
+                 normalise_on_device: bool = False) -> None:
         self.files = [str(path) for path in files]
         self.labels = torch.as_tensor(list(labels), dtype=torch.int64)
         self.image_size = image_size
-        self._mean = torch.tensor(MEAN).view(3, 1, 1)
-        self._std = torch.tensor(STD).view(3, 1, 1)
+        self.normalise = Normalise(MEAN, STD)
+        self.normalise_on_device = normalise_on_device
+
+    def raw(self) -> ImageFolderDataset:
+        """The same images as uint8, for ``normalise`` on the device after the copy."""
+        return ImageFolderDataset(self.files, self.labels.tolist(), self.image_size, normalise_on_device=True)
 
     def __len__(self) -> int:
         return len(self.files)
@@ -72,7 +79,7 @@ class ImageFolderDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         left, top = (resized[0] - size) // 2, (resized[1] - size) // 2
         image = image.crop((left, top, left + size, top + size))
         pixels = torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1)
-        return (pixels.to(torch.float32) / 255.0 - self._mean) / self._std
+        return pixels if self.normalise_on_device else self.normalise(pixels)
 
 
 def load_imagefolder(root: Path, image_size: int, eval_fraction: float, seed: int

@@ -31,7 +31,7 @@ from trainer.data.locate import (
     is_url,
     local_filesystem,
 )
-from trainer.data.synthetic import make_synthetic
+from trainer.data.synthetic import cached_synthetic, make_synthetic
 from trainer.distributed import Runtime, agreed
 from trainer.errors import DataError
 from trainer.registry import Registry
@@ -60,8 +60,15 @@ def _load_files(spec: DatasetSpec, options: Any, runtime: Runtime, seed: int) ->
 
 
 def _load_synthetic(options: Any, runtime: Runtime, seed: int) -> Splits:
-    return make_synthetic(options.synthetic_image_shape(), options.synthetic_classes, options.synthetic_train_size,
-                          options.synthetic_test_size)
+    sizes = (options.synthetic_image_shape(), options.synthetic_classes, options.synthetic_train_size,
+             options.synthetic_test_size)
+    if not options.data_cache_dir:
+        return make_synthetic(*sizes)
+    # Made once per node into the cache (by its local-main rank), then read by every rank.
+    folder = Path(options.data_cache_dir).expanduser()
+    local_main = runtime.identity.is_local_main
+    _agreed(runtime, (lambda: cached_synthetic(folder, *sizes)) if local_main else _nothing)
+    return _agreed(runtime, lambda: cached_synthetic(folder, *sizes))
 
 
 def _load_imagefolder(options: Any, runtime: Runtime, seed: int) -> Splits:

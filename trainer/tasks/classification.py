@@ -30,7 +30,8 @@ class ClassificationOptions:
         "dataset folder or fsspec URL (s3://, memory://, file://); empty: the Debian package's Fashion-MNIST if "
         "installed, else the small subset shipped with the repository")
     download: bool = option(False, "download the dataset into --data-dir if it is missing")
-    data_cache_dir: str = option("", "local cache for datasets fetched from a URL (default: ~/.cache/ddp-deploy/data)")
+    data_cache_dir: str = option("", "local cache for datasets fetched from a URL (default: ~/.cache/ddp-deploy/data); "
+                                     "given, synthetic datasets are kept there too, generated once")
     image_size: int = option(224, "imagefolder: the shorter side is resized to this, then a centred square is "
                                   "cropped", resume=REFUSE)
     eval_fraction: float = option(0.1, "imagefolder without train/ and val/ folders: share of each class held "
@@ -72,9 +73,11 @@ class ImageClassification(Task[ClassificationOptions]):
     def datasets(self, context: TaskContext) -> TaskData:
         train, test, info = load_datasets(self.options, context.runtime, context.seed)
         in_memory = isinstance(train, ImageTensorDataset)
+        # uint8 images cross to the device and are normalised there, as a careful hand-written loop does.
+        train, test = train.raw(), test.raw()
         # Whole splits held as tensors are indexed a batch at a time (ImageTensorDataset.__getitems__).
         return TaskData(train, test, info, collate_fn=collate_batch if in_memory else None,
-                        deterministic_items=True, in_memory=in_memory)
+                        deterministic_items=True, in_memory=in_memory, on_device=train.normalise)
 
     def model(self, data: TaskData) -> nn.Module:
         info = data.info
