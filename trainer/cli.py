@@ -18,6 +18,7 @@ import yaml
 from trainer.config import DEFAULT_TASK, SECTIONS, Config
 from trainer.errors import ConfigError, TaskError
 from trainer.options import add_flags, build, fields_of, names
+from trainer.redact import RedactingArgumentParser
 from trainer.task import RunTask, TaskSpec, resolve
 from trainer.tasks import TASKS
 
@@ -27,7 +28,7 @@ TASK_SECTION = "task"
 def build_parser(spec: TaskSpec, prog: str = "ddp-train", task_fixed: bool = False,
                  underneath: tuple[Config, RunTask] | None = None) -> argparse.ArgumentParser:
     """``underneath``: the config before flags (defaults, file, settings), whose values --help shows."""
-    parser = argparse.ArgumentParser(
+    parser = RedactingArgumentParser(
         prog=prog,
         description="Data-parallel training on CPU or GPU, under any launcher. Flags override values from --config.",
     )
@@ -93,7 +94,7 @@ def config_from_values(spec: TaskSpec, values: Mapping[str, Any], flags: Mapping
 
 def _pre_parser(task_fixed: bool) -> argparse.ArgumentParser:
     """--config and --task alone, read before the full parser exists (the task's options are flags too)."""
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = RedactingArgumentParser(add_help=False)
     parser.add_argument("--config", default="")
     if not task_fixed:
         parser.add_argument("--task", default=None)

@@ -9,7 +9,6 @@ separately: ``pip install safetensors``); anything else as a torch file of plain
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ from trainer.checkpoint import InvalidCheckpoint
 from trainer.checkpoint.manager import UnknownFormat, verify_path
 from trainer.checkpoint.shards import fit
 from trainer.errors import EXIT_OK, EXIT_USAGE
+from trainer.redact import RedactingArgumentParser
 
 __all__ = ["export_weights", "main"]
 
@@ -56,7 +56,7 @@ def export_weights(checkpoint: str, output: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ddp-export", description=__doc__.split("\n\n")[0])
+    parser = RedactingArgumentParser(prog="ddp-export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a checkpoint folder (step-NNNNNNNN), local or a storage URL")
     parser.add_argument("output", help="the file to write: NAME.safetensors, or NAME.pt (torch, weights only)")
     args = parser.parse_args(argv)

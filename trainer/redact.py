@@ -9,10 +9,11 @@ stands alone, every query value and every key=value of a fragment.
 
 from __future__ import annotations
 
+import argparse
 import re
-from typing import Any
+from typing import Any, NoReturn
 
-__all__ = ["HIDDEN", "redact", "redacted"]
+__all__ = ["HIDDEN", "RedactingArgumentParser", "redact", "redacted"]
 
 HIDDEN = "***"
 # A URL ends before white space or quotes, and not with the punctuation of the sentence around it.
@@ -65,3 +66,18 @@ def redacted(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return type(value)(redacted(item) for item in value)
     return value
+
+
+class RedactingArgumentParser(argparse.ArgumentParser):
+    """argparse, whose own error lines echo what was typed (``unrecognized arguments: --datadir
+    s3://AKIA:SECRET@bucket``, ``invalid choice: '...'``): an unrecognized argument is named by its flag alone,
+    its values counted, not shown; any other echoed value has its URLs' credentials hidden."""
+
+    def error(self, message: str) -> NoReturn:
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            words = message[len(prefix):].split()
+            flags = [word.split("=", 1)[0] for word in words if word.startswith("-")]
+            hidden = sum(1 for word in words if not word.startswith("-") or "=" in word)
+            message = prefix + " ".join(flags) + (f" (and {hidden} value(s), not shown)" if hidden else "")
+        super().error(redact(message))

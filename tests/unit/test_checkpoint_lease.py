@@ -241,3 +241,27 @@ def test_an_s3fs_older_than_the_first_with_conditional_writes_is_refused_by_its_
                                               r"not exist.*install s3fs>=2999.1.0"):
         CheckpointManager(CheckpointConfig(), f"s3://{s3_env.new_bucket()}/ckpt", runtime, LOG,
                           Monitor("accuracy", "max")).prepare()
+
+
+def test_renewals_go_on_after_a_storage_error_that_is_not_an_oserror(tmp_path, monkeypatch):
+    """An object store client raises its own errors (botocore's ClientError is no OSError): a renewal that meets
+    one is retried at the next turn, not the end of renewals for the rest of the run."""
+    holder = CheckpointLease(open_storage(str(tmp_path)), "job-a", "host-a", 0.2, LOG, job_named=True)
+    holder.take()
+    calls, renewed = [], threading.Event()
+    replace_file = holder.storage.replace_file
+
+    def flaky(*args: object) -> None:
+        calls.append(args)
+        if len(calls) <= 2:
+            raise RuntimeError("An error occurred (SlowDown) when calling the PutObject operation")
+        replace_file(*args)
+        if len(calls) >= 4:
+            renewed.set()
+
+    monkeypatch.setattr(holder.storage, "replace_file", flaky)
+    holder.start_renewing()
+    try:
+        assert renewed.wait(30), f"renewals stopped after {len(calls)} attempt(s)"
+    finally:
+        holder.release()

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -329,3 +331,34 @@ def test_a_write_to_a_store_that_stops_answering_ends_within_the_deadline_as_ret
     assert f"checkpoint {location}/step-00000002 was not written within 2s (--checkpoint-timeout-s)" in str(
         stalled.value)
     assert names(location) == ["step-00000001"]
+    # The server answers again and the given-up write goes on: it must neither commit nor leave a folder behind.
+    manager._writer.join(60)
+    assert not manager._writer.is_alive()
+    assert names(location) == ["step-00000001"] and open_storage(location).remove_temporaries() == []
+
+
+def test_the_checkpoint_sent_to_trackers_is_this_runs_last_and_its_lookup_never_holds_or_fails_the_end(
+        manager_for, tmp_path, monkeypatch, caplog):
+    from trainer.api import checkpoint_written
+
+    manager = manager_for(str(tmp_path))
+    assert checkpoint_written(manager, logging.getLogger("checkpoint-test")) is None  # nothing committed yet
+    save_steps(manager, [1, 2])
+    # A later checkpoint this run did not write (another branch's, after --resume PATH): not this run's to send.
+    shutil.copytree(tmp_path / "step-00000002", tmp_path / "step-00000009")
+    assert open_storage(str(tmp_path)).list_checkpoints()[0] == "step-00000009"
+    found = checkpoint_written(manager, logging.getLogger("checkpoint-test"))
+    assert found is not None and found.name == "step-00000002" and "manifest.json" in found.files
+
+    def broken(name: str) -> list[str]:
+        raise RuntimeError("An error occurred (AccessDenied) when calling the ListObjectsV2 operation")
+
+    monkeypatch.setattr(manager.storage, "files", broken)
+    assert checkpoint_written(manager, logging.getLogger("checkpoint-test")) is None
+    assert "AccessDenied" in caplog.text and "the trackers get no checkpoint" in caplog.text
+    release = threading.Event()
+    monkeypatch.setattr(manager.storage, "files", lambda name: release.wait(60) and [])
+    started = time.monotonic()
+    assert checkpoint_written(manager, logging.getLogger("checkpoint-test"), within_s=0.5) is None
+    assert time.monotonic() - started < 5 and "took more than 0.5s" in caplog.text
+    release.set()

@@ -30,3 +30,26 @@ def test_a_config_is_redacted_everywhere_and_left_unchanged():
     config = {"task": {"data_dir": "ftp://a:pw@h/x", "sizes": [1, "https://h/?t=1"]}, "epochs": 3}
     assert redacted(config) == {"task": {"data_dir": "ftp://a:***@h/x", "sizes": [1, "https://h/?t=***"]}, "epochs": 3}
     assert config["task"]["data_dir"] == "ftp://a:pw@h/x"
+
+
+@pytest.mark.parametrize(("argv", "shown", "secrets"), [
+    (["--datadir", "s3://AKIA:SECRET@bucket/x", "--token=SECRET2"],
+     "ddp-train: error: unrecognized arguments: --datadir --token (and 2 value(s), not shown)", ("SECRET",)),
+    (["--epochs", "s3://u:SECRET3@h/x"], "argument --epochs: invalid int value: 's3://u:***@h/x'", ("SECRET3",)),
+])
+def test_the_command_lines_own_errors_show_no_secret(argv, shown, secrets, capsys):
+    """argparse's own error lines echo what was typed: every entry point's parser redacts them."""
+    from trainer.cli import parse_config
+    from trainer.doctor.cli import main as doctor
+    from trainer.export import main as export
+
+    with pytest.raises(SystemExit) as raised:
+        parse_config(argv)
+    assert raised.value.code == 2
+    error = capsys.readouterr().err
+    assert shown in error and not any(secret in error for secret in secrets), error
+    for main in (export, doctor):
+        with pytest.raises(SystemExit):
+            main(["--unknown", "s3://u:SECRET4@h/x", "x", "y"])
+        error = capsys.readouterr().err
+        assert "--unknown" in error and "SECRET4" not in error, error

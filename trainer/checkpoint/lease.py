@@ -211,7 +211,9 @@ class CheckpointLease:
             except CheckpointError as problem:
                 self.log.error("%s", problem)
                 return
-            except OSError as error:  # a storage hiccup: the next renewal may work, well before expiry
+            # A storage hiccup (an OSError, or an object store client's own error: botocore's, aiohttp's): the next
+            # renewal may work, well before expiry. Renewals stop only at release() or when the lease was lost.
+            except Exception as error:  # noqa: BLE001
                 self.log.warning("could not renew the lease of %s: %s", self.storage.describe(), error)
 
     def release(self) -> None:
@@ -225,7 +227,7 @@ class CheckpointLease:
             self.check()
             self.storage.replace_file(LEASE_FOLDER, holder_file(self.generation),
                                       self._record(released=True).to_bytes())
-        except (CheckpointError, OSError) as problem:
+        except Exception as problem:  # noqa: BLE001 - any backend's error: the lease then expires by itself
             self.log.warning("lease of %s not released (%s); it expires %gs after its last renewal",
                              self.storage.describe(), problem, self.expires_after_s)
         self.generation = None

@@ -24,6 +24,7 @@ from trainer.doctor.report import PROG, describe_device, failure_summary, print_
 from trainer.errors import EXIT_FAILURE, EXIT_OK, ConfigError, UserError, described
 from trainer.launchers import identity_from_env
 from trainer.options import add_flags, build, check, option
+from trainer.redact import RedactingArgumentParser
 
 # A preflight should fail within a minute, not the trainer's ten.
 DIST_DEFAULTS = {"collective_timeout_s": 60.0}
@@ -51,7 +52,7 @@ class DoctorConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = RedactingArgumentParser(
         prog=PROG, description="Preflight of a distributed setup: every rank's environment, every collective's "
         "result, all-reduce bandwidth. Run it under the launcher the trainer will use.")
     add_flags(parser.add_argument_group("doctor"), DoctorConfig)

@@ -142,10 +142,12 @@ def tcp_port(env: LaunchEnv, name: str) -> int:
 
 
 def is_loopback(address: str) -> bool:
-    """An address every host has for itself: it cannot tell one host's job from another's."""
+    """An address every host has for itself: it cannot tell one host's job from another's. The unspecified
+    addresses (0.0.0.0, ::) too: a master told to listen on every interface is named by no host."""
     if address.strip().lower() in ("localhost", "localhost.localdomain", "ip6-localhost"):
         return True
     try:
-        return ipaddress.ip_address(address.strip().strip("[]")).is_loopback
+        ip = ipaddress.ip_address(address.strip().strip("[]"))
     except ValueError:
         return False
+    return ip.is_loopback or ip.is_unspecified

@@ -19,6 +19,11 @@ SRUN_HINT = ("start one task per rank with srun (srun python -m trainer ...), or
 SLURM_PORT_BASE, SLURM_PORT_SPAN = 20000, 10000
 
 
+def in_srun_step(env: LaunchEnv) -> bool:
+    """A task of an srun step (the batch script itself has SLURM_PROCID=0 too, but no step id)."""
+    return env.has("SLURM_STEP_ID", "SLURM_PROCID")
+
+
 def slurm_job(env: LaunchEnv) -> tuple[str, bool]:
     """The job id (and the cluster's name): kept by a requeue, unique on a cluster."""
     cluster = env.get("SLURM_CLUSTER_NAME")
@@ -31,10 +36,11 @@ class SlurmTasks(Launcher):
     prefixes = ("SLURM_", "SLURMD_")
 
     def detect(self, env: LaunchEnv) -> bool:
-        return env.has("SLURM_STEP_ID", "SLURM_PROCID")
+        return in_srun_step(env)
 
     def identity(self, env: LaunchEnv) -> DistIdentity:
-        """The step's variables, not the job's: a step may use part of the allocation."""
+        """The step's variables, not the job's: a step may use part of the allocation. RANK and WORLD_SIZE
+        exported beside them (without LOCAL_RANK: trainer.launchers.plain) must agree with Slurm's."""
         def step_or_job(step_name: str, job_name: str) -> str:
             return step_name if env.has(step_name) else job_name
 
@@ -50,6 +56,11 @@ class SlurmTasks(Launcher):
         if rank >= world_size:
             raise LaunchEnvError(f"SLURM_PROCID={rank} is not below {tasks_name}={world_size}; ranks run from 0 to "
                                  f"{world_size - 1}: do not set Slurm's variables by hand, {SRUN_HINT}")
+        for name, value, source in (("RANK", rank, "SLURM_PROCID"), ("WORLD_SIZE", world_size, tasks_name)):
+            if env.has(name) and env.get(name) != str(value):
+                raise LaunchEnvError(f"{name}={env.get(name)} but {source}={value}; "
+                                     f"unset {name} (the trainer reads Slurm's variables), or set LOCAL_RANK too to "
+                                     f"place the processes yourself")
         nodes = expand_hostlist(env.variables[nodes_name])
         per_node = expand_counts(env.variables[per_node_name])
         if len(per_node) != len(nodes) or sum(per_node) != world_size:

@@ -33,6 +33,10 @@ def test_the_job_a_restart_belongs_to_is_named_by_what_each_launcher_keeps_acros
     assert identity_from_env(pytorchjob, hostname="mnist-worker-0").job == "pytorchjob@mnist-master-0:23456"
     assert identity_from_env(compose, hostname="node1").job == "env@node0:29500"
     assert identity_from_env({**compose, "DDP_JOB_ID": "nightly-7"}).job == "nightly-7"
+    # Addresses every host has (loopback, and the unspecified 0.0.0.0 and ::) name no job: each process is its own.
+    for everywhere in ("127.0.0.1", "localhost", "0.0.0.0", "::", "[::]", "::1"):
+        identity = identity_from_env({**compose, "MASTER_ADDR": everywhere}, hostname="node1")
+        assert identity.job.startswith("env-node1-") and not identity.job_named, everywhere
     assert identity_from_env({**TORCHRUN_NODE1_RANK3, "SLURM_JOB_ID": "812"}).job == "slurm-job-812"
     # A single process has nothing a restart keeps: each run is its own job (its lease is released at exit).
     assert identity_from_env({}, hostname="laptop").job.startswith("process-laptop-")
@@ -50,7 +54,9 @@ TORCHRUN = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE
     ({**SLURM_STEP, **TORCHRUN}, TorchrunUnderSlurm),  # one torchrun per node under srun: torchrun's places
     (TORCHRUN, Torchrun),
     ({"RANK": "0", "WORLD_SIZE": "2", "PET_NNODES": "2"}, PyTorchJob),
-    ({"RANK": "0", "WORLD_SIZE": "2", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0"}, PlainEnvironment),
+    # RANK and WORLD_SIZE exported inside srun: Slurm places the task (its LOCAL_RANK); with LOCAL_RANK, the user.
+    ({"RANK": "0", "WORLD_SIZE": "2", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0"}, SlurmTasks),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0"}, PlainEnvironment),
     (SLURM_STEP, SlurmTasks),
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": "0"}, SlurmBatchScript),
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, SingleProcess),  # a one-task job's script

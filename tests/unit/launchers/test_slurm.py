@@ -111,3 +111,17 @@ def test_per_node_counts_expand():
     assert expand_counts("2(x3),1") == [2, 2, 2, 1]
     with pytest.raises(LaunchEnvError, match=r"'2\(3\)' in the per-node counts"):
         expand_counts("2(3)")
+
+
+def test_rank_and_world_size_exported_inside_srun_leave_slurm_to_place_each_task():
+    """`export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS` (an sbatch idiom) must not make every task local rank
+    0 on cuda:0 with a job named by the first node (another job after a requeue elsewhere)."""
+    exported = task(3, "n2", 1, RANK="3", WORLD_SIZE="4", MASTER_ADDR="n1", MASTER_PORT="29400")
+    identity = identity_from_env(exported, hostname="n2")
+    assert (identity.launcher, identity.rank, identity.local_rank, identity.local_world_size) == ("slurm", 3, 1, 2)
+    assert identity.job == "slurm-job-ci-1"
+    with pytest.raises(LaunchEnvError, match=r"^RANK=0 but SLURM_PROCID=3; unset RANK"):
+        identity_from_env({**exported, "RANK": "0"})
+    # With LOCAL_RANK too, the user places the processes (the plain dialect), and the job is still Slurm's.
+    placed = identity_from_env({**exported, "LOCAL_RANK": "0"}, hostname="n2")
+    assert (placed.launcher, placed.local_rank, placed.job) == ("env", 0, "slurm-job-ci-1")

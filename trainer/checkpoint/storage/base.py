@@ -113,6 +113,9 @@ class CheckpointStorage(ABC):
         except OSError as error:
             self._remove_quietly(temporary)
             raise self._failure(name, error) from None
+        except Exception:  # a backend's own error, or the manager refusing to commit: no folder stays behind
+            self._remove_quietly(temporary)
+            raise
 
     def abandon(self, temporary: str) -> None:
         """Remove a temporary folder whose save failed."""
