@@ -192,7 +192,8 @@ def train(config: Config, task: RunTask, runtime: Runtime) -> dict[str, object]:
         runtime.liveness.watch_progress(config.dist.collective_timeout_s + PROGRESS_GRACE_S,
                                         lambda diagnosis: _exit_stuck(runtime, diagnosis, checkpoints))
     tracking = Tracking(config.tracking, output_dir, runtime.is_main, log)
-    with tracking.run():  # ends the tracker runs as the training ends: finished, preempted or failed
+    # Ends the tracker runs as the training ends: finished, preempted (within the grace period) or failed.
+    with tracking.run(end_by=watcher.exit_deadline):
         try:
             result, trainer = _prepare_and_fit(config, task, runtime, checkpoints, watcher, log, shown_config,
                                                tracking)

@@ -297,7 +297,7 @@ def _layout_that_runs(config: Config, task: RunTask, model: nn.Module, tuning: D
     plain = DeviceTuning(channels_last=False, cudnn_benchmark=tuning.cudnn_benchmark)
     model.to(memory_format=torch.contiguous_format)
     if _forward_fails(config, model, plain, loader, device, prepare) is not None:
-        model.to(memory_format=torch.channels_last)
+        tuning.apply(model)  # back to the chosen layout (the weights stay contiguous under a sharded --sync)
         return tuning
     reason = f"the model's forward pass fails in channels-last memory layout ({described(failure)})"
     if config.model.channels_last == "on":

@@ -98,15 +98,16 @@ def set_tf32(precision: str) -> str:
     matmuls do not: left alone, the two would differ, and a GPU run would differ from a CPU run by TF32's 10-bit
     mantissa rather than by the order of its sums). Under bf16 and fp16 autocast computes the matmuls and
     convolutions in that type; what it leaves in float32 (losses, norms) is precision-sensitive and stays so.
-    Returns what was set, for the log. CPU kernels are not touched."""
-    value = "tf32" if precision == "tf32" else "ieee"
-    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9; mixing it with allow_tf32 raises
-        torch.backends.cuda.matmul.fp32_precision = value
-        torch.backends.cudnn.conv.fp32_precision = value
-    else:  # pragma: no cover - older torch
-        torch.backends.cuda.matmul.allow_tf32 = value == "tf32"
-        torch.backends.cudnn.allow_tf32 = value == "tf32"
-    return f"TF32 {'on' if value == 'tf32' else 'off'} for float32 matmuls and convolutions"
+    Returns what was set, for the log. CPU kernels are not touched; --precision decides over a task's own
+    ``torch.set_float32_matmul_precision``.
+
+    Set through ``allow_tf32`` (cuDNN's covers its convolutions and RNNs): torch >= 2.9's ``fp32_precision``
+    settings, once used, make every later read of ``allow_tf32`` (torch.compile's convolution templates, user
+    code, ``cudnn.flags()``) raise as "a mix of the legacy and new APIs", even when all of them agree."""
+    on = precision == "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = on
+    torch.backends.cudnn.allow_tf32 = on
+    return f"TF32 {'on' if on else 'off'} for float32 matmuls, convolutions and RNNs"
 
 
 def _decide(setting: str, auto: bool) -> bool:

@@ -206,6 +206,11 @@ class Liveness:
                                    f"swapping, a hung file system) or its machine is gone")
                 time.sleep(delay)
                 delay = min(delay * 2, 0.25)
+            if self._rounds > 1:
+                # Every rank has set its key of this round, so every rank is past the previous one: nobody reads
+                # this rank's key of it again. The store keeps at most two rounds' keys, however long the job.
+                self._answer(functools.partial(self._store.delete_key, f"{DONE_KEY}{self._rounds - 1}/"
+                                                                      f"{self.identity.rank}"))
         except StoreSilent as silent_store:
             raise StoreSilent(f"{silent_store} (while the others waited for {what})") from None
 

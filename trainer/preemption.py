@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 
@@ -34,6 +35,7 @@ class PreemptionWatcher:
         self.before_forced_exit: Callable[[], None] | None = None
         self._previous: dict[int, object] = {}
         self._deadline_timer: threading.Timer | None = None
+        self._stopping_since: float | None = None  # time.monotonic() of the signal, or of the vote that told of one
 
     def install(self) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -51,6 +53,7 @@ class PreemptionWatcher:
             self.log.error("second %s: exiting now without a new checkpoint", signal.Signals(signum).name)
             self._exit_now()
         self.signal_received = signum
+        self._stopping_since = time.monotonic()
         self._deadline_timer = threading.Timer(self.grace_period_s, self._grace_period_over)
         self._deadline_timer.daemon = True
         self._deadline_timer.start()
@@ -72,11 +75,23 @@ class PreemptionWatcher:
     def should_stop(self) -> bool:
         """A collective: call on every rank at every step. True, on every rank at the same step, one step after
         some rank's signal."""
-        return self.vote(self.signal_received is not None)
+        return self._stopping(self.vote(self.signal_received is not None))
 
     def should_stop_now(self) -> bool:
         """A collective: where training ends (every rank, same point), the last vote's outcome."""
-        return self.vote.settle()
+        return self._stopping(self.vote.settle())
+
+    def _stopping(self, stop: bool) -> bool:
+        if stop and self._stopping_since is None:  # another rank's signal: the launcher's kill comes to all alike
+            self._stopping_since = time.monotonic()
+        return stop
+
+    def exit_deadline(self) -> float | None:
+        """When a stopping process must be done with everything (time.monotonic()): the grace period from the
+        signal, less the forced exit's own cleanup time. None while no stop was asked for."""
+        if self._stopping_since is None:
+            return None
+        return self._stopping_since + self.grace_period_s - FORCED_EXIT_CLEANUP_S
 
     def describe(self) -> str:
         if self.signal_received is None:

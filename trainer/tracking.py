@@ -216,9 +216,10 @@ class Tracking:
 
     # -- end -----------------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def run(self) -> Iterator[Tracking]:
+    def run(self, end_by: Callable[[], float | None] = lambda: None) -> Iterator[Tracking]:
         """Ends the trackers' runs with the training's outcome: FINISHED, KILLED when preempted (a resume continues
-        it), FAILED otherwise. A summary and checkpoint sent within are delivered before the end."""
+        it), FAILED otherwise. A summary and checkpoint sent within are delivered before the end, unless
+        ``end_by()`` (a time.monotonic(): a preempted process's grace period) comes first."""
         status = FAILED
         try:
             yield self
@@ -227,7 +228,7 @@ class Tracking:
             status = KILLED
             raise
         finally:
-            self.close(status)
+            self.close(status, end_by())
 
     def log_summary(self, summary: Mapping[str, Any], files: tuple[Path, ...]) -> None:
         numbers = {key: value for key, value in summary.items()
@@ -243,14 +244,20 @@ class Tracking:
             channel.send(lambda t=self._trackers[name]: t.log_checkpoint(checkpoint),
                          f"uploading checkpoint {checkpoint.name}")
 
-    def close(self, status: str) -> None:
-        """Send the end, then give the trackers --tracker-timeout-s, all together, to finish what they were sent."""
+    def close(self, status: str, end_by: float | None = None) -> None:
+        """Send the end, then give the trackers --tracker-timeout-s, all together, to finish what they were sent;
+        less if ``end_by`` (time.monotonic()) comes first: a preempted process must exit within its grace
+        period, trackers included, before the launcher's SIGKILL."""
         deadline = time.monotonic() + self.config.tracker_timeout_s
+        limit = f"{self.config.tracker_timeout_s:g} s (--tracker-timeout-s)"
+        if end_by is not None and end_by < deadline:
+            deadline = end_by
+            limit = "the grace period after the stop signal (--grace-period-s)"
         for name, channel in self._channels.items():
             channel.send(lambda t=self._trackers[name]: t.end(status), f"ending its run ({status})")
         for name, channel in self._channels.items():
             left = channel.close(deadline)
             if left:
-                self.log.warning("tracker %s did not take its last %d call(s) within %g s (--tracker-timeout-s); "
-                                 "metrics.jsonl has every record", name, left, self.config.tracker_timeout_s)
+                self.log.warning("tracker %s did not take its last %d call(s) within %s; metrics.jsonl has every "
+                                 "record", name, left, limit)
         self._channels.clear()

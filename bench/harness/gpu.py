@@ -33,7 +33,7 @@ class ImageNetLike:
     steps: int
     log_every: int
     # The generated images, made once per bench run and read by every run of the trainer and the references
-    # (trainer.data.synthetic.cached_synthetic): generating 7,936 of 224x224 takes about 35 s of one core.
+    # (trainer.data.synthetic.cached_synthetic): generating 7,936 of 224x224 took 54 s of one core here.
     cache_dir: Path
 
     @classmethod

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -134,6 +136,26 @@ def test_a_preempted_run_is_killed_in_mlflow_until_its_resume_continues_it(serve
     assert client.get_run(run_id).info.status == "FINISHED"
     assert [(point.step, point.value) for point in client.get_metric_history(run_id, "train/loss")] == [
         (1, 0.5), (2, 0.25)]
+
+
+def test_a_preempted_runs_trackers_end_within_the_grace_period_when_the_server_hangs(server, tmp_path, caplog):
+    """The grace period bounds the whole exit, the trackers' last calls included (--tracker-timeout-s 60 would
+    outlast any launcher's kill window); what did not go out is one warning."""
+    config = TrackingConfig(tracker="mlflow", tracking_uri=server.uri, experiment="hung", tracker_timeout_s=60)
+    tracking = Tracking(config, tmp_path, enabled=True, log=logging.getLogger("test-trackers"))
+    tracking.start({"optim": {"lr": 0.1}})
+    with server.hung():
+        stopped_at = time.monotonic()
+        with pytest.raises(Preempted), tracking.run(end_by=lambda: stopped_at + 3):
+            tracking.log_metrics("train", 1, {"loss": 0.5})
+            raise Preempted("preempted at step 1; checkpoint written")
+        took = time.monotonic() - stopped_at
+    assert 2.5 < took < 6, took
+    warnings = [record.getMessage() for record in caplog.records
+                if record.name == "test-trackers" and record.levelno == logging.WARNING]
+    assert len(warnings) == 1 and re.fullmatch(
+        r"tracker mlflow did not take its last \d call\(s\) within the grace period after the stop signal "
+        r"\(--grace-period-s\); metrics.jsonl has every record", warnings[0]), warnings
 
 
 def test_a_server_that_dies_mid_run_is_one_warning_and_the_run_completes(tmp_path):

@@ -5,6 +5,8 @@ client."""
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +25,15 @@ class MlflowServer:
         from mlflow import MlflowClient
 
         return MlflowClient(self.uri)
+
+    @contextlib.contextmanager
+    def hung(self) -> Iterator[None]:
+        """Frozen (SIGSTOP) within: it accepts connections and answers nothing, as a server that hangs."""
+        os.killpg(self.process.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.killpg(self.process.pid, signal.SIGCONT)
 
     def kill(self) -> None:
         """Gone mid-run, as a server whose pod or machine is lost."""

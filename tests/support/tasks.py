@@ -174,6 +174,17 @@ class ViewTask(Task[NoOptions]):
         return nn.functional.cross_entropy(outputs.float(), targets)
 
 
+class WrongSizeTask(ViewTask):
+    """Convolutions, then a Linear of the wrong width: the model fails in every memory layout (the first-batch
+    check names the error)."""
+
+    name = "wrong-size"
+
+    def model(self, data: TaskData) -> nn.Module:
+        return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1), nn.Flatten(),
+                             nn.Linear(7, 2))
+
+
 class HangsTask(ViewTask):
     """Rank 1's main thread hangs in its sixth loss (the fifth training micro-batch): what a device
     synchronisation behind an NCCL kernel that never ends looks like from Python. No collective of its own

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 
 import pytest
 import torch
@@ -120,7 +121,8 @@ def test_max_samples_keep_the_first_n_and_the_batched_lookup() -> None:
     assert [x for _, x in first(items, 3)] == [0, 1, 2] and first(items, 0) is items  # any map-style dataset
 
 
-def test_a_synthetic_dataset_is_generated_once_into_the_cache_and_read_back_the_same(tmp_path, monkeypatch) -> None:
+def test_a_synthetic_dataset_is_generated_once_into_the_cache_and_read_back_the_same(tmp_path, monkeypatch,
+                                                                                     caplog) -> None:
     made, generated = [], synthetic_module.make_synthetic
 
     def counting(*args: object) -> object:
@@ -131,7 +133,8 @@ def test_a_synthetic_dataset_is_generated_once_into_the_cache_and_read_back_the_
     sizes = {"synthetic_shape": "3,6,5", "synthetic_train_size": 24, "synthetic_test_size": 8}
     first_train, first_test = synthetic(data_cache_dir=str(tmp_path), **sizes)
     again_train, again_test = synthetic(data_cache_dir=str(tmp_path), **sizes)
-    assert len(made) == 1 and [path.name for path in tmp_path.iterdir()] == ["synthetic-v2-3x6x5-10-24-8.pt"]
+    (cache,) = tmp_path.iterdir()
+    assert len(made) == 1 and re.fullmatch(r"synthetic-v2-torch[\d.a-z]+-3x6x5-10-24-8\.pt", cache.name), cache.name
     plain_train, plain_test = synthetic(**sizes)
     for dataset in (first_train, again_train):
         assert torch.equal(dataset.images, plain_train.images) and torch.equal(dataset.labels, plain_train.labels)
@@ -139,6 +142,15 @@ def test_a_synthetic_dataset_is_generated_once_into_the_cache_and_read_back_the_
     assert torch.equal(again_test.images, plain_test.images) and torch.equal(again_test.labels, plain_test.labels)
     synthetic(data_cache_dir=str(tmp_path), **{**sizes, "synthetic_train_size": 32})
     assert len(made) == 2  # other sizes: another file
+    # A damaged file, or one whose tensors are not what its name says, is made again and replaced, never trusted.
+    good = cache.read_bytes()
+    for damaged in (good[:1000], good.replace(b"train_images", b"train_imageZ")):
+        cache.write_bytes(damaged)
+        again_train, _ = synthetic(data_cache_dir=str(tmp_path), **sizes)
+        assert torch.equal(again_train.images, plain_train.images)
+    assert len(made) == 4 and caplog.text.count(f"cached synthetic dataset {cache} is unusable") == 2
+    synthetic(data_cache_dir=str(tmp_path), **sizes)
+    assert len(made) == 4  # the file was replaced by a good one
 
 
 def test_synthetic_statistics_match_a_direct_float_computation() -> None:

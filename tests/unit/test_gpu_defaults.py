@@ -110,17 +110,35 @@ def test_under_fsdp_channels_last_reaches_the_activations_and_the_sharded_parame
         destroy_process_group()
 
 
-def test_tf32_follows_the_precision_flag():
-    before = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
+def test_under_fsdp_a_model_that_fails_in_both_layouts_keeps_contiguous_weights_for_the_first_batch_check(tmp_path):
+    """The channels-last probe puts the chosen layout back when the model fails in both: under FSDP that is the
+    contiguous weights (FSDP2 would refuse others with a traceback), and the first-batch check names the error."""
+    config, task = parse_config(["--task", "tests.support.tasks:WrongSizeTask", "--batch-size", "4", "--num-workers",
+                                 "0", "--channels-last", "on", "--sync", "fsdp", "--output-dir", str(tmp_path)])
+    runtime = init_process_group(DistConfig(), identity_from_env({}), torch.device("cpu"))
     try:
-        assert set_tf32("tf32") == "TF32 on for float32 matmuls and convolutions"
-        assert (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision) == ("tf32",) * 2
-        for precision in ("fp32", "bf16", "fp16"):
-            assert set_tf32(precision) == "TF32 off for float32 matmuls and convolutions"
-            assert (torch.backends.cuda.matmul.fp32_precision,
-                    torch.backends.cudnn.conv.fp32_precision) == ("ieee", "ieee")
+        setup = build_training(config, task, runtime)
+        assert all(parameter.to_local().is_contiguous() for parameter in setup.model.parameters())
     finally:
-        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = before
+        destroy_process_group()
+
+
+def test_tf32_follows_the_precision_flag_and_every_way_to_read_it_still_works():
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        assert set_tf32("tf32") == "TF32 on for float32 matmuls, convolutions and RNNs"
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        assert (torch.backends.cudnn.conv.fp32_precision, torch.backends.cudnn.rnn.fp32_precision) == ("tf32",) * 2
+        for precision in ("fp32", "bf16", "fp16"):
+            assert set_tf32(precision) == "TF32 off for float32 matmuls, convolutions and RNNs"
+            # Read through the old API (torch.compile does) and the new: neither raises, both say off.
+            assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+            assert "tf32" not in (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision,
+                                  torch.backends.cudnn.rnn.fp32_precision)
+            with torch.backends.cudnn.flags(enabled=True):
+                pass
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 def test_the_nccl_and_flight_recorder_defaults_leave_the_users_own_settings_alone(tmp_path):
@@ -185,3 +203,23 @@ def test_a_model_that_cannot_run_channels_last_falls_back_under_auto_with_a_warn
     assert "fails in channels-last memory layout" in caplog.text and "training in the default layout" in caplog.text
     inputs, _ = next(iter(setup.train_loader))
     setup.model(setup.inputs_on_device(inputs))  # trains in the default layout
+
+
+def test_a_dataset_a_user_registers_is_fed_to_the_model_as_it_comes(tmp_path, monkeypatch):
+    """Only the trainer's own image datasets cross as uint8 for on_device normalising; a loader added to
+    trainer.data.DATASETS that returns, say, a TensorDataset of floats trains unchanged."""
+    from torch.utils.data import TensorDataset
+
+    from trainer.data import DATASETS, DatasetInfo
+
+    def tensors(options: object, runtime: Runtime, seed: int) -> tuple:
+        images, labels = torch.rand(16, 1, 8, 8), torch.arange(16) % 2
+        return TensorDataset(images, labels), TensorDataset(images[:8], labels[:8]), DatasetInfo("t", 1, (8, 8), 2)
+
+    monkeypatch.setattr(DATASETS, "_entries", dict(DATASETS._filled()))  # the registry as it was, after the test
+    DATASETS.add("user-tensors", tensors, "a user's own loader")
+    config, task = parse_config(["--dataset", "user-tensors", "--batch-size", "4", "--output-dir", str(tmp_path)])
+    setup = build_training(config, task, ONE_PROCESS)
+    assert setup.data.on_device is None
+    inputs, _ = next(iter(setup.train_loader))
+    assert inputs.dtype == torch.float32 and setup.model(setup.inputs_on_device(inputs)).shape == (4, 2)

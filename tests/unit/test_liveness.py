@@ -64,3 +64,15 @@ def test_after_a_timeout_a_silent_rank_is_told_apart_from_one_that_is_elsewhere(
     assert "rank 1 is alive but at step 11, starting" in waiter.diagnose(30, watch_s=1)
     other.close()
     assert "rank 1 stopped responding (no heartbeat for 1s, last at step 11" in waiter.diagnose(30, watch_s=1)
+
+
+def test_the_stores_keys_stay_bounded_however_many_rounds_are_waited_for(ranks):
+    """Each save's wait adds a key per rank; a long job must not grow the store by two keys a save forever."""
+    waiter, other = ranks
+    store = waiter._store
+    thread = threading.Thread(target=lambda: [other.wait_for_all(f"save {n}") for n in range(40)])
+    thread.start()
+    for n in range(40):
+        waiter.wait_for_all(f"save {n}")
+        assert store.num_keys() <= 2 + 2 * 2 + 2, n  # heartbeats, two rounds of 2 ranks, the store's own
+    thread.join()

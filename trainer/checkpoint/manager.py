@@ -410,10 +410,14 @@ class CheckpointManager:
     def _on_writer_thread(self, copies: list[Snapshot]) -> None:
         """The writer thread's start: its CUDA device is the rank's (not device 0, where a context of its own
         would take memory on another rank's GPU), and the copies it writes have landed."""
-        if self.runtime.device.type == "cuda":
-            torch.cuda.set_device(self.runtime.device)
-        for snapshot in copies:
-            snapshot.complete()
+        try:
+            if self.runtime.device.type == "cuda":
+                torch.cuda.set_device(self.runtime.device)
+            for snapshot in copies:
+                snapshot.complete()
+        finally:
+            for snapshot in copies:  # whatever failed: before_update must not wait for a copy that never comes
+                snapshot.release()
         self.last_timing.copied_later_bytes = sum(snapshot.copied_later_bytes for snapshot in copies)
 
     def _launch_writer(self, name: str, target: Callable[..., None], args: tuple[Any, ...]) -> None:

@@ -30,23 +30,30 @@ class Snapshot:
     """One save's copy: its state (the buffers in place of the tensors) and the copies still under way."""
 
     def __init__(self, state: Any, later: list[tuple[torch.Tensor, torch.Tensor]],
-                 device_copies: torch.cuda.Event | None, device: torch.device) -> None:
+                 device_copies: torch.cuda.Event | None, device: torch.device, device_later_bytes: int = 0) -> None:
         self.state = state
         self._later = later  # (buffer, CPU tensor) pairs the writer thread copies
         self._device_copies = device_copies  # recorded on the side stream after every CUDA copy
         self._device = device
         self._copied = threading.Event()
-        self.copied_later_bytes = sum(buffer.nbytes for buffer, _ in later)
+        # What was still being copied when save() returned: the writer thread's copies and the side stream's
+        # copies of the tensors only the optimizer step changes.
+        self.copied_later_bytes = sum(buffer.nbytes for buffer, _ in later) + device_later_bytes
 
     def complete(self) -> None:
-        """In the writer thread, before it writes: every copy has landed in host memory."""
+        """In the writer thread, before it writes: every copy has landed in host memory. The training thread
+        waits for the CPU tensors' copies only (those on the device it waits for on the GPU)."""
         try:
             for buffer, tensor in self._later:
                 buffer.copy_(tensor)
-            if self._device_copies is not None:
-                self._device_copies.synchronize()
         finally:
             self._copied.set()  # training may update the parameters now (after a failed copy: nothing to wait for)
+        if self._device_copies is not None:
+            self._device_copies.synchronize()
+
+    def release(self) -> None:
+        """Let a training thread waiting in before_update go (the writer failed before it could complete)."""
+        self._copied.set()
 
     def before_update(self) -> None:
         """In the training thread, before the optimizer changes the parameters: their copies are complete. On
@@ -79,7 +86,8 @@ class HostSnapshots:
         if not urgent and not deferred:
             return Snapshot(copied, later, None, torch.device("cpu"))
         device = (urgent or deferred)[0][1].device
-        return Snapshot(copied, later, self._copy_on_side_stream(urgent, deferred, device), device)
+        return Snapshot(copied, later, self._copy_on_side_stream(urgent, deferred, device), device,
+                        sum(buffer.nbytes for buffer, _ in deferred))
 
     def _copy_on_side_stream(self, urgent: list[tuple[torch.Tensor, torch.Tensor]],
                              deferred: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device

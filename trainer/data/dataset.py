@@ -37,6 +37,11 @@ class Normalise:
         scale, shift = self._on(images.device)
         return images.to(torch.float32) * scale + shift
 
+    def __reduce__(self) -> tuple[type[Normalise], tuple[tuple[float, ...], tuple[float, ...]]]:
+        # Without the constants made so far: a DataLoader worker started by spawn or forkserver must not receive
+        # CUDA tensors (each would start a CUDA context of its own).
+        return Normalise, (self.mean, self.std)
+
     def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self._constants:
             std = torch.tensor(self.std, dtype=torch.float32).view(-1, 1, 1)

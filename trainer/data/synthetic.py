@@ -7,12 +7,13 @@ a few dozen steps to tell the classes apart (not one), so loss curves show learn
 Everything comes from local generators with fixed seeds, so the global RNG (which the trainer
 seeds for itself) neither changes the data nor is advanced by it.
 
-Large shapes take a while to generate (ImageNet-like 7,936 images at 3x224x224: about 35 s on one core), so a
+Large shapes take a while to generate (ImageNet-like 7,936 images at 3x224x224: 54 s on one core), so a
 run given ``--data-cache-dir`` keeps what it generated there and the next run with the same sizes reads it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from pathlib import Path
@@ -30,6 +31,7 @@ BACKGROUND, CLASS_PATTERN, NOISE_STD = 150.0, 60.0, 48.0
 CHUNK = 256  # samples generated (and their statistics summed) at a time: float scratch memory stays small
 # In the cache file's name: a change to how samples are generated must not find an older cache.
 CACHE_VERSION = 2
+log = logging.getLogger(__name__)
 
 
 def make_synthetic(shape: tuple[int, int, int], num_classes: int, train_size: int, test_size: int
@@ -49,24 +51,48 @@ def cached_synthetic(cache_dir: Path, shape: tuple[int, int, int], num_classes: 
     """make_synthetic's datasets, read from ``cache_dir`` if a run made them before, else made and kept there
     (written under a temporary name and renamed: a reader never sees half a file, and two writers race
     harmlessly to the same content)."""
-    name = f"synthetic-v{CACHE_VERSION}-{'x'.join(map(str, shape))}-{num_classes}-{train_size}-{test_size}.pt"
+    # torch's version too: its generators' streams are not promised to stay the same across releases.
+    name = (f"synthetic-v{CACHE_VERSION}-torch{torch.__version__.split('+')[0]}-{'x'.join(map(str, shape))}-"
+            f"{num_classes}-{train_size}-{test_size}.pt")
     path = cache_dir / name
     if path.is_file():
-        saved = torch.load(path, weights_only=True)
-        info = DatasetInfo("synthetic", shape[0], (shape[1], shape[2]), num_classes)
-        mean, std = saved["mean"], saved["std"]
-        return (ImageTensorDataset(saved["train_images"], saved["train_labels"], mean, std),
-                ImageTensorDataset(saved["test_images"], saved["test_labels"], mean, std), info)
+        cached = _read_cache(path, shape, num_classes, train_size, test_size)
+        if cached is not None:
+            return cached
     train, test, info = make_synthetic(shape, num_classes, train_size, test_size)
-    cache_dir.mkdir(parents=True, exist_ok=True)
     partial = cache_dir / f".{name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.part"
     try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
         torch.save({"train_images": train.images, "train_labels": train.labels, "test_images": test.images,
                     "test_labels": test.labels, "mean": list(train.mean), "std": list(train.std)}, partial)
         os.replace(partial, path)
+    except OSError as error:  # a cache is a convenience: a full or read-only disk only costs the next run time
+        log.warning("synthetic dataset not cached in %s (%s); it is generated again next time", cache_dir, error)
     finally:
         partial.unlink(missing_ok=True)
     return train, test, info
+
+
+def _read_cache(path: Path, shape: tuple[int, int, int], num_classes: int, train_size: int, test_size: int
+                ) -> tuple[ImageTensorDataset, ImageTensorDataset, DatasetInfo] | None:
+    """The cached datasets, or None (with a warning naming the file) when it cannot be read or does not hold
+    what its name says: the caller generates them again and replaces it."""
+    try:
+        saved = torch.load(path, weights_only=True)
+        images, labels = saved["train_images"], saved["train_labels"]
+        test_images, test_labels = saved["test_images"], saved["test_labels"]
+        fits = (tuple(images.shape) == (train_size, *shape) and tuple(test_images.shape) == (test_size, *shape)
+                and images.dtype == test_images.dtype == torch.uint8 and labels.shape == (train_size,)
+                and test_labels.shape == (test_size,) and int(labels.max()) < num_classes)
+        if not fits:
+            raise ValueError("its tensors are not of the sizes its name gives")
+        info = DatasetInfo("synthetic", shape[0], (shape[1], shape[2]), num_classes)
+        return (ImageTensorDataset(images, labels, saved["mean"], saved["std"]),
+                ImageTensorDataset(test_images, test_labels, saved["mean"], saved["std"]), info)
+    except Exception as error:  # noqa: BLE001 - truncated, damaged or foreign: made again, never trusted
+        log.warning("cached synthetic dataset %s is unusable (%s); generating it again",
+                    path, " ".join(str(error).split())[:200])
+        return None
 
 
 def _channel_statistics(images: torch.Tensor) -> tuple[list[float], list[float]]:

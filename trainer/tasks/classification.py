@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from trainer.data import DATASETS, ImageTensorDataset, collate_batch, load_datasets
+from trainer.data import DATASETS, ImageFolderDataset, ImageTensorDataset, collate_batch, load_datasets
 from trainer.errors import ConfigError
 from trainer.metrics import Accuracy
 from trainer.models import MODELS, build_model
@@ -73,11 +73,15 @@ class ImageClassification(Task[ClassificationOptions]):
     def datasets(self, context: TaskContext) -> TaskData:
         train, test, info = load_datasets(self.options, context.runtime, context.seed)
         in_memory = isinstance(train, ImageTensorDataset)
-        # uint8 images cross to the device and are normalised there, as a careful hand-written loop does.
-        train, test = train.raw(), test.raw()
+        on_device = None
+        if isinstance(train, ImageTensorDataset | ImageFolderDataset) and type(test) is type(train):
+            # uint8 images cross to the device and are normalised there, as a careful hand-written loop does (a
+            # dataset registered in DATASETS by a user is taken as it comes).
+            train, test = train.raw(), test.raw()
+            on_device = train.normalise
         # Whole splits held as tensors are indexed a batch at a time (ImageTensorDataset.__getitems__).
         return TaskData(train, test, info, collate_fn=collate_batch if in_memory else None,
-                        deterministic_items=True, in_memory=in_memory, on_device=train.normalise)
+                        deterministic_items=True, in_memory=in_memory, on_device=on_device)
 
     def model(self, data: TaskData) -> nn.Module:
         info = data.info
