@@ -52,6 +52,8 @@ class TrackerRun:
     params: dict[str, Any]  # the run's config and task, redacted, nested as config.yaml has them
     output_dir: Path
     settings: TrackingConfig
+    # A new run started from another job's or folder's checkpoint: that run's id, recorded in the new one.
+    forked_from: str | None = None
 
 
 @dataclass(frozen=True)
@@ -147,17 +149,38 @@ class Tracking:
         self.enabled = enabled and bool(config.trackers)  # rank 0, and some tracker asked for
         self.log = log
         self.run_ids: dict[str, str] = {}  # by tracker name: what checkpoints keep
+        self._origin: str | None = None  # the output folder of the run that wrote the checkpoint (None: unknown)
         self._trackers: dict[str, Tracker] = {}
         self._channels: dict[str, _Channel] = {}
 
     # -- the checkpoint part -------------------------------------------------------------------------------
     def state_part(self) -> StatePart:
-        """The tracker runs' ids, kept by every checkpoint (a run without --tracker keeps those it resumed with)."""
-        def restore(saved: dict[str, str], _: RestoreContext) -> None:
-            self.run_ids.update(saved)
+        """The tracker runs' ids, kept by every checkpoint (a run without --tracker keeps those it resumed with),
+        with the output folder they belong to: a run continues them only in that folder. (Not by the job's name:
+        torchrun --standalone names each relaunch anew, and a job's restarts and relaunches are one run.)"""
+        def capture() -> dict[str, Any]:
+            return {"runs": dict(self.run_ids), "output_dir": self._folder()}
 
-        # Version 0, a checkpoint written before trackers existed: no tracker run to continue.
-        return StatePart("trackers", lambda: dict(self.run_ids), restore, upgrade=lambda _, __: {})
+        def restore(saved: dict[str, Any], _: RestoreContext) -> None:
+            self.run_ids.update(saved["runs"])
+            self._origin = saved["output_dir"]
+
+        def upgrade(version: int, saved: Any) -> dict[str, Any]:
+            # Version 0 (before trackers): no run. Version 1 (the ids alone): whose they were is unknown, and
+            # they are continued, as that version did.
+            return {"runs": dict(saved) if version == 1 else {}, "output_dir": None}
+
+        return StatePart("trackers", capture, restore, version=2, upgrade=upgrade)
+
+    def _folder(self) -> str:
+        return str(self.output_dir.resolve())
+
+    def _fork_of(self) -> str | None:
+        """Why the checkpoint's runs are not this run's to continue (it was written in another output folder: a
+        fine-tune, or a sweep from one checkpoint), or None."""
+        if self._origin is not None and self._origin != self._folder():
+            return f"the checkpoint was written by a run in {self._origin}"
+        return None
 
     # -- start ---------------------------------------------------------------------------------------------
     def start(self, params: dict[str, Any]) -> None:
@@ -166,10 +189,16 @@ class Tracking:
         if not self.enabled:
             return
         name = self.config.run_name or self.output_dir.resolve().name
+        fork = self._fork_of()
         for tracker_name in self.config.trackers:
             tracker: Tracker = TRACKERS.get(tracker_name)()
-            resume_id = self.run_ids.get(tracker_name)
-            run = TrackerRun(self.config.experiment, name, resume_id, params, self.output_dir, self.config)
+            resume_id, forked_from = self.run_ids.get(tracker_name), None
+            if fork is not None and resume_id is not None:
+                self.log.info("tracker %s: a new run, which records that it started from run %s (%s)", tracker_name,
+                              resume_id, redact(fork))
+                resume_id, forked_from = None, resume_id
+            run = TrackerRun(self.config.experiment, name, resume_id, params, self.output_dir, self.config,
+                             forked_from)
             run_id = self._within_timeout(tracker_name, tracker, lambda t=tracker, r=run: t.start(r, self.log))
             continued = "continues" if run_id == resume_id else "started"
             self.log.info("tracker %s: %s run %s%s", tracker_name, continued, run_id,

@@ -67,9 +67,10 @@ def test_a_checkpoint_holds_the_full_state_and_its_model_loads_into_a_plain_mode
     _, manifest, state = newest_checkpoint(reference)
     assert set(state) == {"model", "optimizer", "grad_scaler", "position", "task", "rng", "config", "trackers",
                           "world_size", "versions", "part_versions"}
-    assert state["part_versions"] == dict.fromkeys(("model", "optimizer", "grad_scaler", "rng", "position", "task",
-                                                    "config", "trackers"), 1)
-    assert state["trackers"] == {}, "no --tracker: no tracker run to continue"
+    assert state["part_versions"] == {**dict.fromkeys(("model", "optimizer", "grad_scaler", "rng", "position", "task",
+                                                       "config"), 1), "trackers": 2}
+    assert state["trackers"]["runs"] == {}, "no --tracker: no tracker run to continue"
+    assert state["trackers"]["output_dir"] == str(reference.parent.resolve())  # the run whose trackers they are
     assert state["world_size"] == 1 and len(state["rng"]) == 1 and set(state["rng"][0]) >= {"python", "numpy", "torch"}
     assert state["position"]["step"] == manifest["step"] == 16 and state["optimizer"]["state"]
     assert {"torch", "torchvision", "trainer", "python"} <= set(state["versions"])

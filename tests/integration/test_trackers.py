@@ -138,6 +138,36 @@ def test_a_preempted_run_is_killed_in_mlflow_until_its_resume_continues_it(serve
         (1, 0.5), (2, 0.25)]
 
 
+def test_a_fork_starts_its_own_run_and_a_deleted_run_is_replaced_not_fatal(server, tmp_path, caplog):
+    """A checkpoint resumed in another output folder (a fine-tune, a sweep) starts a new run that names the one
+    it came from; one whose MLflow run was deleted starts a new run with a warning, not exit 2 on every resume."""
+    log = logging.getLogger("test-trackers")
+    config = TrackingConfig(tracker="mlflow", tracking_uri=server.uri, experiment="forks")
+    parent = Tracking(config, tmp_path / "parent", enabled=True, log=log)
+    with parent.run():
+        parent.start({"optim": {"lr": 0.1}})
+        parent.log_metrics("train", 1, {"loss": 0.5})
+    saved = parent.state_part().capture()
+    client = server.client()
+
+    def resumed(folder: Path) -> Tracking:
+        tracking = Tracking(config, folder, enabled=True, log=log)
+        tracking.state_part().restore(saved, None)  # type: ignore[misc, arg-type]
+        with tracking.run():
+            tracking.start({"optim": {"lr": 0.1}})
+        return tracking
+
+    fork = resumed(tmp_path / "fine-tune")
+    (parent_id,), (fork_id,) = parent.run_ids.values(), fork.run_ids.values()
+    assert fork_id != parent_id and client.get_run(fork_id).data.tags["ddp-deploy.forked-from"] == parent_id
+    assert [point.step for point in client.get_metric_history(parent_id, "train/loss")] == [1]  # untouched
+    assert resumed(tmp_path / "parent").run_ids == {"mlflow": parent_id}  # the same folder continues it
+    client.delete_run(parent_id)
+    replaced = resumed(tmp_path / "parent")
+    assert replaced.run_ids["mlflow"] != parent_id
+    assert f"the checkpoint's run {parent_id} was deleted on" in caplog.text
+
+
 def test_a_preempted_runs_trackers_end_within_the_grace_period_when_the_server_hangs(server, tmp_path, caplog):
     """The grace period bounds the whole exit, the trackers' last calls included (--tracker-timeout-s 60 would
     outlast any launcher's kill window); what did not go out is one warning."""

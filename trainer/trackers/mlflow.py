@@ -75,8 +75,10 @@ class MlflowTracker(Tracker):
             return self.run_id
         found = self.client.get_experiment_by_name(experiment)
         self.experiment_id = found.experiment_id if found is not None else self.client.create_experiment(experiment)
-        self.run_id = self.client.create_run(self.experiment_id, run_name=run.name,
-                                             tags={"ddp-deploy.output_dir": str(run.output_dir)}).info.run_id
+        tags = {"ddp-deploy.output_dir": str(run.output_dir)}
+        if run.forked_from:
+            tags["ddp-deploy.forked-from"] = run.forked_from
+        self.run_id = self.client.create_run(self.experiment_id, run_name=run.name, tags=tags).info.run_id
         self._log_params(params)
         return self.run_id
 
@@ -90,6 +92,11 @@ class MlflowTracker(Tracker):
             if error.error_code != "RESOURCE_DOES_NOT_EXIST":
                 raise
             log.warning("tracker mlflow: the checkpoint's run %s is not on %s; starting a new run", run_id,
+                        redact(self.uri))
+            return False
+        if saved.info.lifecycle_stage != "active":
+            # Deleted (and not yet purged): MLflow refuses to change it. A new run, not a job that never resumes.
+            log.warning("tracker mlflow: the checkpoint's run %s was deleted on %s; starting a new run", run_id,
                         redact(self.uri))
             return False
         self.run_id, self.experiment_id = run_id, saved.info.experiment_id

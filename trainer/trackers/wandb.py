@@ -49,6 +49,8 @@ class WandbTracker(Tracker):
                                   settings=settings)
         self.mode = "offline" if self.run.offline else "online"
         self.run.config.update(run.params, allow_val_change=True)  # a resume may change settings
+        if run.forked_from:
+            self.run.config.update({"ddp_deploy_forked_from": run.forked_from}, allow_val_change=True)
         self.run.define_metric(STEP)
         self.run.define_metric("*", step_metric=STEP)
         return str(self.run.id)
