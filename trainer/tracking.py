@@ -40,6 +40,7 @@ __all__ = ["FAILED", "FINISHED", "KILLED", "TRACKERS", "CheckpointFiles", "Track
 
 # How a run ended, in MLflow's words (W&B's tracker turns them into exit codes).
 FINISHED, KILLED, FAILED = "FINISHED", "KILLED", "FAILED"
+QUEUED_CALLS = 10_000  # a tracker's calls waiting for its thread: hours of log steps, a few MB of records
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,9 @@ class Tracker(ABC):
         """Connect, create or continue the run, record its parameters; the run's id (saved in checkpoints)."""
 
     @abstractmethod
-    def log_metrics(self, kind: str, step: int, values: Mapping[str, float]) -> None:
-        """One record of metrics.jsonl: ``kind`` "train" or "test", at optimizer step ``step``."""
+    def log_metrics(self, kind: str, step: int, values: Mapping[str, float], made_at: float) -> None:
+        """One record of metrics.jsonl: ``kind`` "train" or "test", at optimizer step ``step``, made at ``made_at``
+        (time.time(): the tracker's thread may send it much later)."""
 
     @abstractmethod
     def log_summary(self, summary: Mapping[str, float], files: tuple[Path, ...]) -> None:
@@ -107,37 +109,54 @@ def flat_params(nested: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
 
 class _Channel:
     """One tracker's thread: its calls run in the order sent, off the training thread. The first failure is
-    warned about once, and the tracker is told nothing more in this run."""
+    warned about once, and the tracker is told nothing more in this run but its end (a server that was down
+    for a moment would otherwise keep the run RUNNING for ever). At most ``limit`` calls wait: a tracker
+    that hangs (MLflow's client retries one call for about 20 minutes by default) must not grow the training
+    process's memory without end; what does not fit is dropped, with one warning."""
 
-    def __init__(self, name: str, log: logging.Logger) -> None:
+    def __init__(self, name: str, log: logging.Logger, limit: int | None = None) -> None:
         self.name = name
         self.log = log
         self.failed = False
-        self._calls: queue.Queue[tuple[Callable[[], None], str] | None] = queue.Queue()
+        self.dropped = 0
+        self._calls: queue.Queue[tuple[Callable[[], None], str, bool] | None] = queue.Queue(
+            maxsize=QUEUED_CALLS if limit is None else limit)
         self._thread = threading.Thread(target=self._serve, name=f"tracker-{name}", daemon=True)
         self._thread.start()
 
-    def send(self, call: Callable[[], None], what: str) -> None:
-        if not self.failed:
-            self._calls.put((call, what))
+    def send(self, call: Callable[[], None], what: str, even_after_a_failure: bool = False) -> None:
+        if self.failed and not even_after_a_failure:
+            return
+        try:
+            self._calls.put_nowait((call, what, even_after_a_failure))
+        except queue.Full:
+            if not self.dropped:
+                self.log.warning("tracker %s is %d calls behind (hung?): it is sent nothing more until it catches up; "
+                                 "metrics.jsonl has every record", self.name, self._calls.maxsize)
+            self.dropped += 1
 
     def _serve(self) -> None:
         while (item := self._calls.get()) is not None:
-            call, what = item
-            if self.failed:
+            call, what, even_after_a_failure = item
+            if self.failed and not even_after_a_failure:
                 continue
             try:
                 call()
             except Exception as error:  # a tracker's failure must never reach training
+                if self.failed:
+                    continue  # warned about once already
                 self.failed = True
                 self.log.warning("tracker %s failed while %s (%s); training goes on without it, and metrics.jsonl "
                                  "has every record", self.name, what, redact(first_line(error)))
 
     def close(self, deadline: float) -> int:
         """Let the thread finish what was sent, until ``deadline`` (time.monotonic()); how many calls were left."""
-        self._calls.put(None)
+        try:
+            self._calls.put(None, timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Full:
+            return self._calls.qsize() + self.dropped
         self._thread.join(max(0.0, deadline - time.monotonic()))
-        return self._calls.qsize() + 1 if self._thread.is_alive() else 0
+        return self._calls.qsize() + 1 + self.dropped if self._thread.is_alive() else self.dropped
 
 
 class Tracking:
@@ -239,9 +258,10 @@ class Tracking:
 
     # -- records -------------------------------------------------------------------------------------------
     def log_metrics(self, kind: str, step: int, values: Mapping[str, float]) -> None:
-        record = dict(values)  # the caller's dict may change before the thread reads it
+        record, made_at = dict(values), time.time()  # the caller's dict may change before the thread reads it
         for name, channel in self._channels.items():
-            channel.send(lambda t=self._trackers[name]: t.log_metrics(kind, step, record), f"logging step {step}")
+            channel.send(lambda t=self._trackers[name]: t.log_metrics(kind, step, record, made_at),
+                         f"logging step {step}")
 
     # -- end -----------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -283,7 +303,8 @@ class Tracking:
             deadline = end_by
             limit = "the grace period after the stop signal (--grace-period-s)"
         for name, channel in self._channels.items():
-            channel.send(lambda t=self._trackers[name]: t.end(status), f"ending its run ({status})")
+            channel.send(lambda t=self._trackers[name]: t.end(status), f"ending its run ({status})",
+                         even_after_a_failure=True)
         for name, channel in self._channels.items():
             left = channel.close(deadline)
             if left:

@@ -19,6 +19,7 @@ import socket
 import tempfile
 import time
 import urllib.parse
+import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -116,14 +117,14 @@ class MlflowTracker(Tracker):
         for first in range(0, len(items), PARAMS_PER_BATCH):
             self.client.log_batch(self.run_id, params=items[first:first + PARAMS_PER_BATCH])
 
-    def log_metrics(self, kind: str, step: int, values: Mapping[str, float]) -> None:
-        self._log_numbers(kind, step, values)
+    def log_metrics(self, kind: str, step: int, values: Mapping[str, float], made_at: float) -> None:
+        self._log_numbers(kind, step, values, made_at)
 
-    def _log_numbers(self, prefix: str, step: int, values: Mapping[str, float]) -> None:
+    def _log_numbers(self, prefix: str, step: int, values: Mapping[str, float], made_at: float | None = None) -> None:
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
-        metrics = [Metric(f"{prefix}/{key}", float(value), now, step) for key, value in values.items()]
+        when = int((time.time() if made_at is None else made_at) * 1000)
+        metrics = [Metric(f"{prefix}/{key}", float(value), when, step) for key, value in values.items()]
         for first in range(0, len(metrics), METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=metrics[first:first + METRICS_PER_BATCH])
 
@@ -144,17 +145,26 @@ class MlflowTracker(Tracker):
 
 
 def _check_reachable(uri: str, timeout_s: float) -> None:
-    """A server that refuses connections fails now, in one line: MLflow's client would retry it for minutes."""
+    """A server that refuses connections fails now, in one line: MLflow's client would retry it for minutes.
+    Through the proxy that HTTP(S)_PROXY names for it (and NO_PROXY does not exempt), as MLflow's client goes:
+    the server itself may be out of this host's direct reach."""
     parsed = urllib.parse.urlsplit(uri)
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         return
-    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    host, port = parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80)
+    proxy = urllib.request.getproxies().get(parsed.scheme)
+    via = ""
+    if proxy and not urllib.request.proxy_bypass(host):
+        proxied = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+        if proxied.hostname:
+            host, port = proxied.hostname, proxied.port or (443 if proxied.scheme == "https" else 80)
+            via = f" through the proxy {proxy} ({parsed.scheme.upper()}_PROXY)"
     try:
-        socket.create_connection((parsed.hostname, port), timeout=min(timeout_s, 10.0)).close()
+        socket.create_connection((host, port), timeout=min(timeout_s, 10.0)).close()
     except OSError as error:
-        raise TrackerError(redact(f"--tracker mlflow: cannot reach the tracking server {uri} "
+        raise TrackerError(redact(f"--tracker mlflow: cannot reach the tracking server {uri}{via} "
                                   f"({error.strerror or error}); start it, or fix --tracking-uri or "
-                                  f"MLFLOW_TRACKING_URI")) from None
+                                  f"MLFLOW_TRACKING_URI{' or the proxy' if via else ''}")) from None
 
 
 TRACKERS.add("mlflow", MlflowTracker, "an MLflow tracking server (--tracking-uri or MLFLOW_TRACKING_URI)")

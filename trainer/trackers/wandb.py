@@ -55,7 +55,8 @@ class WandbTracker(Tracker):
         self.run.define_metric("*", step_metric=STEP)
         return str(self.run.id)
 
-    def log_metrics(self, kind: str, step: int, values: Mapping[str, float]) -> None:
+    def log_metrics(self, kind: str, step: int, values: Mapping[str, float], made_at: float) -> None:
+        # W&B stamps a record itself, when it is logged; trainer/step orders them (made_at has no public field).
         self.run.log({STEP: step, **{f"{kind}/{key}": value for key, value in values.items()}})
 
     def log_summary(self, summary: Mapping[str, float], files: tuple[Path, ...]) -> None:

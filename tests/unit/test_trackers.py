@@ -1,0 +1,116 @@
+"""The tracker seam in one process, with a tracker of the test's own: records carry the time they were made, a
+tracker that hangs cannot grow the queue of its calls without end; and MLflow's reachability check goes through
+the proxy its client would use. (The real servers' tests: tests/integration/test_trackers.py.)"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import pytest
+
+from trainer.config import TrackingConfig
+from trainer.errors import TrackerError
+from trainer.seams import TRACKERS
+from trainer.trackers.mlflow import _check_reachable
+from trainer.tracking import Tracker, TrackerRun, Tracking
+
+
+class Slow(Tracker):
+    """Takes each record when the test lets it: ``gate`` set; fails at step ``fail_at``."""
+
+    gate = threading.Event()
+    records: list[tuple[int, float, float]] = []  # (step, made_at, when the tracker got it)
+    fail_at = 0
+    ended: list[str] = []
+
+    def start(self, run: TrackerRun, log: logging.Logger) -> str:
+        return "slow-1"
+
+    def log_metrics(self, kind: str, step: int, values: Mapping[str, float], made_at: float) -> None:
+        self.gate.wait(60)
+        if step == self.fail_at:
+            raise ConnectionError("the server went away for a moment")
+        self.records.append((step, made_at, time.time()))
+
+    def log_summary(self, summary: Mapping[str, float], files: tuple[Path, ...]) -> None:
+        pass
+
+    def end(self, status: str) -> None:
+        self.ended.append(status)
+
+
+@pytest.fixture
+def slow(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[Slow]]:
+    monkeypatch.setattr(TRACKERS, "_entries", dict(TRACKERS._filled()))  # the registry as it was, after the test
+    TRACKERS.add("slow", Slow, "the test's own")
+    Slow.gate, Slow.records, Slow.fail_at, Slow.ended = threading.Event(), [], 0, []
+    yield Slow
+    Slow.gate.set()
+
+
+def test_a_record_keeps_the_time_it_was_made_and_a_hung_tracker_cannot_queue_without_end(slow, tmp_path, caplog,
+                                                                                        monkeypatch):
+    monkeypatch.setattr("trainer.tracking.QUEUED_CALLS", 50)
+    tracking = Tracking(TrackingConfig(tracker="slow", tracker_timeout_s=5), tmp_path, True, logging.getLogger("t"))
+    tracking.start({})
+    started = time.monotonic()
+    made = time.time()
+    for step in range(1, 201):  # the tracker takes none of them yet: 50 wait, the rest are dropped
+        tracking.log_metrics("train", step, {"loss": 1.0 / step})
+    sent = time.time()
+    assert time.monotonic() - started < 2  # training never waits for a tracker
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["tracker slow is 50 calls behind (hung?): it is sent nothing more until it catches up; "
+                        "metrics.jsonl has every record"]
+    time.sleep(0.2)  # the records wait, as behind a slow server
+    slow.gate.set()
+    tracking.close("FINISHED")
+    steps = [step for step, _, _ in slow.records]
+    assert steps == list(range(1, len(steps) + 1)) and 50 <= len(steps) <= 52  # the oldest kept, in order
+    # Stamped when made, not when the tracker got them (at least 0.2 s later, after the gate opened).
+    assert all(made <= made_at < sent and taken - made_at >= 0.2 for _, made_at, taken in slow.records)
+
+
+@pytest.fixture
+def listening() -> Iterator[int]:
+    server = socket.create_server(("127.0.0.1", 0))
+    yield server.getsockname()[1]
+    server.close()
+
+
+def test_the_tracking_servers_reachability_is_checked_through_the_proxy_its_client_uses(listening, monkeypatch):
+    """A server only a proxy reaches (a name this host cannot resolve) is reachable; NO_PROXY sends it direct."""
+    for name in ("HTTP_PROXY", "http_proxy", "NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{listening}")
+    _check_reachable("http://tracking.invalid:5000", 5)
+    monkeypatch.setenv("NO_PROXY", "tracking.invalid")
+    with pytest.raises(TrackerError, match="cannot reach the tracking server http://tracking.invalid:5000 \\("):
+        _check_reachable("http://tracking.invalid:5000", 5)
+    monkeypatch.delenv("NO_PROXY")
+    closed = socket.create_server(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{port}")
+    proxied = f"through the proxy http://127.0.0.1:{port} \\(HTTP_PROXY\\).*or the proxy$"
+    with pytest.raises(TrackerError, match=proxied):
+        _check_reachable("http://tracking.invalid:5000", 5)
+
+
+def test_after_a_failure_a_tracker_is_sent_nothing_but_its_end(slow, tmp_path, caplog):
+    """One warning for the failure, no more records, and the run is still ended (not left RUNNING)."""
+    slow.gate.set()
+    slow.fail_at = 2
+    tracking = Tracking(TrackingConfig(tracker="slow", tracker_timeout_s=5), tmp_path, True, logging.getLogger("t"))
+    tracking.start({})
+    for step in (1, 2, 3):
+        tracking.log_metrics("train", step, {"loss": 1.0})
+    tracking.close("FINISHED")
+    assert [step for step, _, _ in slow.records] == [1] and slow.ended == ["FINISHED"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "tracker slow failed while logging step 2" in warnings[0], warnings
