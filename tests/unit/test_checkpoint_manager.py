@@ -362,3 +362,33 @@ def test_the_checkpoint_sent_to_trackers_is_this_runs_last_and_its_lookup_never_
     assert checkpoint_written(manager, logging.getLogger("checkpoint-test"), within_s=0.5) is None
     assert time.monotonic() - started < 5 and "took more than 0.5s" in caplog.text
     release.set()
+
+
+def test_a_write_whose_job_lost_the_lease_meanwhile_never_commits(manager_for, tmp_path, monkeypatch):
+    """A replacement with the same identity takes the lease while this rank 0's write is under way (a partitioned
+    node, a stalled disk): the lease is checked again at the commit itself, so the old write neither commits nor
+    moves the new job's same-step folder aside."""
+    from trainer.checkpoint import manager as manager_module
+    from trainer.checkpoint.lease import CheckpointLease
+
+    manager = manager_for(str(tmp_path), async_checkpoint=True)
+    writing, go_on = threading.Event(), threading.Event()
+    save_state = manager_module.save_state
+
+    def slow_save(state: dict, handle: object) -> None:
+        writing.set()
+        go_on.wait(30)
+        save_state(state, handle)
+
+    monkeypatch.setattr(manager_module, "save_state", slow_save)
+    manager.save(state_at(1))
+    assert writing.wait(30)
+    assert manager.lease is not None
+    replacement = CheckpointLease(open_storage(str(tmp_path)), manager.lease.job, "other-host", 60.0,
+                                  logging.getLogger("checkpoint-test"), job_named=True)
+    replacement.take()  # the same job's next attempt: it takes the live lease
+    go_on.set()
+    with pytest.raises(CheckpointError, match="was taken over by job"):
+        manager.finish()
+    assert names(str(tmp_path)) == [] and open_storage(str(tmp_path)).remove_temporaries() == []
+    replacement.release()
