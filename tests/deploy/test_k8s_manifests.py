@@ -372,3 +372,42 @@ def test_the_trainjob_s_network_policy_selects_the_labels_its_pods_carry():
     own_pods = {"matchLabels": {"jobset.sigs.k8s.io/jobset-name": trainjob["metadata"]["name"]}}
     assert policy["spec"]["podSelector"] == own_pods
     assert policy["spec"]["ingress"] == [{"from": [{"podSelector": own_pods}]}]
+
+
+# --- who the job is: the namespace and the job's name, through the downward API -----------------------------
+
+def job_variables(plan: PodPlan) -> dict[str, str]:
+    """The DDP_* variables of a pod's container as the kubelet resolves them (downward API, $(NAME))."""
+    from tests.support.k8s_pods import environment
+
+    container = {**plan.container, "env": [e for e in plan.container.get("env", []) if e["name"].startswith("DDP_")]}
+    return environment(PodPlan(plan.name, plan.replica_type, plan.index, {"spec": {"containers": [container]}}, (),
+                               plan.namespace, plan.labels))
+
+
+@pytest.mark.parametrize("source", PYTORCHJOB_SOURCES)
+def test_two_jobs_of_one_name_in_two_namespaces_are_two_jobs_and_a_recreated_pod_the_same(source):
+    """MASTER_ADDR (<job>-master-0) is unique within a namespace only: the manifests name the job for the
+    checkpoint folder's lease by namespace and job (DDP_JOB_ID from the downward API), which the trainer reads
+    before any launcher's own name, whether it runs directly or under torchrun."""
+    from tests.support.k8s_pods import environment
+    from trainer.launchers import identity_from_env
+
+    (job,) = of_kind(render(source), "PyTorchJob")
+    for namespace in ("team-a", "team-b"):
+        job["metadata"]["namespace"] = namespace
+        named = {job_variables(plan)["DDP_JOB_ID"] for plan in pod_plans(job)}
+        assert named == {f"pytorchjob/{namespace}/ddp-train"}, "every pod of one job, and only that job"
+    if source == "k8s/base":  # the trainer started directly in each pod: its identity, recreated pod included
+        plan = pod_plans(job)[-1]
+        for hostname in (plan.name, "recreated"):
+            identity = identity_from_env(environment(plan), hostname=hostname)
+            assert (identity.job, identity.job_named) == ("pytorchjob/team-b/ddp-train", True)
+
+
+def test_a_trainjobs_nodes_are_named_by_namespace_and_trainjob():
+    (trainjob,) = of_kind(render("k8s/trainer-v2"), "TrainJob")
+    node = {"name": CONTAINER, "env": trainjob["spec"]["trainer"]["env"]}
+    plan = PodPlan("ddp-train-node-0-0", "node", 0, {"spec": {"containers": [node]}}, (), "team-a",
+                   (("jobset.sigs.k8s.io/jobset-name", trainjob["metadata"]["name"]),))
+    assert job_variables(plan)["DDP_JOB_ID"] == "trainjob/team-a/ddp-train"

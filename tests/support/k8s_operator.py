@@ -31,6 +31,8 @@ class PodPlan:
     index: int
     template: Obj
     operator_env: tuple[tuple[str, str], ...]
+    namespace: str = "default"
+    labels: tuple[tuple[str, str], ...] = ()  # the pod's, its template's and the operator's (the job's name)
 
     @property
     def container(self) -> Obj:
@@ -98,12 +100,23 @@ def pod_plans(job: Obj) -> list[PodPlan]:
     """Every pod of an admitted, defaulted job, Master first, with the variables the operator appends."""
     job = with_defaults(job)
     replicas = job["spec"]["pytorchReplicaSpecs"]
+    namespace = job["metadata"].get("namespace", "default")
     return [
         PodPlan(_pod_name(job, rtype, index), rtype, index, replicas[rtype]["template"],
-                tuple(operator_env(job, rtype, index)))
+                tuple(operator_env(job, rtype, index)), namespace, tuple(operator_labels(job, rtype, index)))
         for rtype in REPLICA_TYPES if rtype in replicas
         for index in range(replicas[rtype]["replicas"])
     ]
+
+
+def operator_labels(job: Obj, rtype: str, index: int) -> list[tuple[str, str]]:
+    """The template's labels and those the operator adds to each pod (GenLabels and the replica's own)."""
+    labels = dict(job["spec"]["pytorchReplicaSpecs"][rtype]["template"].get("metadata", {}).get("labels", {}))
+    labels.update({"training.kubeflow.org/job-name": job["metadata"]["name"],
+                   "training.kubeflow.org/operator-name": "pytorchjob-controller",
+                   "training.kubeflow.org/replica-type": rtype.lower(),
+                   "training.kubeflow.org/replica-index": str(index)})
+    return list(labels.items())
 
 
 def operator_env(job: Obj, rtype: str, index: int) -> list[tuple[str, str]]:

@@ -5,8 +5,9 @@ What the kubelet would do before the container starts, for tests without a clust
 * a PersistentVolumeClaim is a folder shared by all pods, given to the pod's ``fsGroup``;
 * a ConfigMap is its keys as files in a folder of the pod's own, mounted read-only;
 * an emptyDir is a private folder, or a tmpfs of its ``sizeLimit`` with ``medium: Memory``;
-* the environment is the container's own (values and this container's ``resourceFieldRef``) followed
-  by what the training operator appends (tests/support/k8s_operator.py);
+* the environment is the container's own (values, ``$(NAME)`` references to the variables before them, this
+  container's ``resourceFieldRef``, the pod's namespace and labels by ``fieldRef``) followed by what the
+  training operator appends (tests/support/k8s_operator.py);
 * the command is the container's command and args, unchanged;
 * the security settings are the pod's, overridden by the container's, as the kubelet merges them.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,8 +66,7 @@ def prepare(plan: PodPlan, config_maps: dict[str, dict[str, str]], claims: dict[
             raise AssertionError(f"pod {plan.name}: subPath mounts are not emulated")
         mounts.append(_mount(volumes[mount["name"]], mount, config_maps, claims, pod_dir,
                              spec.get("securityContext", {})))
-    env = {entry["name"]: _env_value(entry, container, plan.name) for entry in container.get("env", [])}
-    env.update(plan.operator_env)
+    env = environment(plan)
     command = [*container.get("command", []), *container.get("args", [])]
     security = {**spec.get("securityContext", {}), **container.get("securityContext", {})}
     return Pod(plan.name, container["image"], command, env, mounts, security)
@@ -105,12 +106,31 @@ def _mount(volume: Obj, mount: Obj, config_maps: dict[str, dict[str, str]], clai
                          f"are emulated")
 
 
-def _env_value(entry: Obj, container: Obj, pod_name: str) -> str:
+def environment(plan: PodPlan) -> dict[str, str]:
+    """The container's environment as the kubelet gives it, then the operator's variables."""
+    container, env = plan.container, {}
+    metadata = {"metadata.namespace": plan.namespace, "metadata.name": plan.name,
+                **{f"metadata.labels['{key}']": value for key, value in plan.labels}}
+    for entry in container.get("env", []):
+        env[entry["name"]] = _env_value(entry, container, plan.name, metadata, env)
+    env.update(plan.operator_env)
+    return env
+
+
+def _env_value(entry: Obj, container: Obj, pod_name: str, metadata: dict[str, str], before: dict[str, str]) -> str:
     if "value" in entry:
-        return str(entry["value"])
+        # $(NAME) is a variable defined before this one in the container; any other is left as written.
+        return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda found: before.get(found.group(1), found.group(0)),
+                      str(entry["value"]))
+    field_ref = entry.get("valueFrom", {}).get("fieldRef")
+    if field_ref is not None:
+        if field_ref["fieldPath"] not in metadata:
+            raise AssertionError(f"pod {pod_name}: env {entry['name']}: fieldRef {field_ref['fieldPath']} is not "
+                                 f"one the pod has (only its namespace, name and labels are emulated)")
+        return metadata[field_ref["fieldPath"]]
     field = entry.get("valueFrom", {}).get("resourceFieldRef")
     if field is None or field.get("containerName", container["name"]) != container["name"]:
-        raise AssertionError(f"pod {pod_name}: env {entry['name']}: only values and this container's "
+        raise AssertionError(f"pod {pod_name}: env {entry['name']}: only values, fieldRef and this container's "
                              f"resourceFieldRef are emulated")
     kind, resource = field["resource"].split(".", 1)
     quantity = container.get("resources", {}).get(kind, {}).get(resource)
