@@ -24,10 +24,19 @@ def in_srun_step(env: LaunchEnv) -> bool:
     return env.has("SLURM_STEP_ID", "SLURM_PROCID")
 
 
-def slurm_job(env: LaunchEnv) -> tuple[str, bool]:
-    """The job id (and the cluster's name): kept by a requeue, unique on a cluster."""
+def slurm_job(env: LaunchEnv, run_id: str = "") -> tuple[str, bool]:
+    """The job id (and the cluster's name), and the srun step inside it: kept by a requeue (its steps are
+    numbered from 0 again), unique on a cluster; two steps of one allocation (concurrent sruns, an interactive
+    salloc's runs) are two jobs. ``run_id``: a torchrun's --rdzv-id, which tells torchrun apps of one
+    allocation apart (left out where it is the job id, as slurm/train.sbatch passes it)."""
     cluster = env.get("SLURM_CLUSTER_NAME")
-    return f"slurm-job-{cluster + '-' if cluster else ''}{env.get('SLURM_JOB_ID')}", True
+    job_id = env.get("SLURM_JOB_ID")
+    name = f"slurm-job-{cluster + '-' if cluster else ''}{job_id}"
+    if env.has("SLURM_STEP_ID"):
+        name += f".{env.get('SLURM_STEP_ID')}"
+    if run_id not in ("", "none", job_id):
+        name += f"-torchrun-{run_id}"
+    return name, True
 
 
 class SlurmTasks(Launcher):

@@ -37,12 +37,15 @@ def test_the_job_a_restart_belongs_to_is_named_by_what_each_launcher_keeps_acros
     for everywhere in ("127.0.0.1", "localhost", "0.0.0.0", "::", "[::]", "::1"):
         identity = identity_from_env({**compose, "MASTER_ADDR": everywhere}, hostname="node1")
         assert identity.job.startswith("env-node1-") and not identity.job_named, everywhere
-    assert identity_from_env({**TORCHRUN_NODE1_RANK3, "SLURM_JOB_ID": "812"}).job == "slurm-job-812"
+    # torchrun under Slurm: the Slurm job, and the torchrun app within it (unless its run id is the job's).
+    assert identity_from_env({**TORCHRUN_NODE1_RANK3, "SLURM_JOB_ID": "812"}).job == "slurm-job-812-torchrun-job"
+    assert identity_from_env({**TORCHRUN_NODE1_RANK3, "SLURM_JOB_ID": "812", "TORCHELASTIC_RUN_ID": "812"}
+                             ).job == "slurm-job-812"
     # A single process has nothing a restart keeps: each run is its own job (its lease is released at exit).
     assert identity_from_env({}, hostname="laptop").job.startswith("process-laptop-")
     assert identity_from_env({**compose, "DDP_JOB_ID": "nightly-7"}, job_id="flagged").job == "flagged"  # the flag wins
-    assert identity_from_env({**TORCHRUN_NODE1_RANK3, "SLURM_JOB_ID": "812", "SLURM_CLUSTER_NAME": "north"}
-                             ).job == "slurm-job-north-812"
+    assert identity_from_env({**TORCHRUN_NODE1_RANK3, "SLURM_JOB_ID": "812", "SLURM_CLUSTER_NAME": "north",
+                              "TORCHELASTIC_RUN_ID": "812"}).job == "slurm-job-north-812"
 
 
 SLURM_STEP = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}

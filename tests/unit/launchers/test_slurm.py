@@ -50,7 +50,7 @@ def test_the_step_wins_over_the_job_a_requeue_is_counted_and_the_port_can_be_nam
     identity = identity_from_env(env, hostname="vm")
     assert (identity.rank, identity.world_size, identity.node_rank, identity.num_nodes) == (1, 2, 0, 1)
     assert (identity.master_addr, identity.master_port, identity.restart_count) == ("n2", 23456, 2)
-    assert identity.job == "slurm-job-ci-123456", "a requeued job keeps its id (on its cluster), and its folder"
+    assert identity.job == "slurm-job-ci-123456.0", "a requeued job keeps its id (on its cluster) and step numbers"
     assert identity_from_env(env, master_port=31000).master_port == 31000
     named = identity_from_env({**env, "MASTER_ADDR": "n2-ib", "MASTER_PORT": "29500"}, master_port=31000)
     assert (named.master_addr, named.master_port) == ("n2-ib", 29500), "the environment wins over the flag"
@@ -119,9 +119,18 @@ def test_rank_and_world_size_exported_inside_srun_leave_slurm_to_place_each_task
     exported = task(3, "n2", 1, RANK="3", WORLD_SIZE="4", MASTER_ADDR="n1", MASTER_PORT="29400")
     identity = identity_from_env(exported, hostname="n2")
     assert (identity.launcher, identity.rank, identity.local_rank, identity.local_world_size) == ("slurm", 3, 1, 2)
-    assert identity.job == "slurm-job-ci-1"
+    assert identity.job == "slurm-job-ci-1.0"
     with pytest.raises(LaunchEnvError, match=r"^RANK=0 but SLURM_PROCID=3; unset RANK"):
         identity_from_env({**exported, "RANK": "0"})
     # With LOCAL_RANK too, the user places the processes (the plain dialect), and the job is still Slurm's.
     placed = identity_from_env({**exported, "LOCAL_RANK": "0"}, hostname="n2")
-    assert (placed.launcher, placed.local_rank, placed.job) == ("env", 0, "slurm-job-ci-1")
+    assert (placed.launcher, placed.local_rank, placed.job) == ("env", 0, "slurm-job-ci-1.0")
+
+
+def test_two_srun_steps_of_one_allocation_are_two_jobs_and_a_requeue_is_the_same_one():
+    """Concurrent sruns, or runs in an interactive salloc, share SLURM_JOB_ID: each step is its own job (it must
+    not take another's live lease as its own earlier attempt); a requeue numbers its steps from 0 again."""
+    first, second = (identity_from_env(task(0, "n1", 0, SLURM_STEP_ID=step, SLURM_STEPID=step)) for step in "01")
+    assert (first.job, second.job) == ("slurm-job-ci-1.0", "slurm-job-ci-1.1")
+    requeued = identity_from_env(task(0, "n1", 0, SLURM_RESTART_COUNT="1"))
+    assert requeued.job == first.job and requeued.restart_count == 1

@@ -13,4 +13,4 @@ def test_torchrun_started_by_srun_is_the_torchrun_dialect():
            "TORCHELASTIC_RUN_ID": "7"}
     identity = identity_from_env(env)
     assert (identity.launcher, identity.rank, identity.node_rank) == ("torchrun", 3, 1)
-    assert (identity.job, identity.job_named) == ("slurm-job-ci-1", True)  # the Slurm job, kept by a requeue
+    assert (identity.job, identity.job_named) == ("slurm-job-ci-1.0-torchrun-7", True)  # kept by a requeue
