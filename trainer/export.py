@@ -3,12 +3,14 @@
 Any checkpoint: a DDP run's (its state file holds whole tensors) or a sharded one's, whatever world size wrote
 it (each tensor put together from every rank's rows, one process, no process group). The checkpoint is
 verified against its manifest first. OUTPUT ending in ``.safetensors`` is written with safetensors (installed
-separately: ``pip install safetensors``); anything else as a torch file of plain tensors, which
+separately: ``pip install safetensors``), tied weights once (the others named in its metadata, ``TIED_KEY``);
+anything else as a torch file of plain tensors, which
 ``torch.load(OUTPUT, weights_only=True)`` reads: ``model.load_state_dict(torch.load(OUTPUT, weights_only=True))``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -22,7 +24,10 @@ from trainer.checkpoint.shards import fit
 from trainer.errors import EXIT_OK, EXIT_USAGE
 from trainer.redact import RedactingArgumentParser
 
-__all__ = ["export_weights", "main"]
+__all__ = ["TIED_KEY", "export_weights", "main", "untied"]
+
+# The safetensors metadata entry that names the tied weights written once: {"lm_head.weight": "embed.weight"}.
+TIED_KEY = "ddp-deploy.tied"
 
 
 class ExportError(Exception):
@@ -39,7 +44,7 @@ def export_weights(checkpoint: str, output: str) -> int:
         raise ExportError(f"{checkpoint}: {problem}") from None
     except OSError as error:
         raise ExportError(f"{checkpoint}: cannot read it ({error.strerror or error})") from None
-    tensors = {key: value.detach().contiguous() for key, value in weights.items() if isinstance(value, torch.Tensor)}
+    tensors = {key: value.detach() for key, value in weights.items() if isinstance(value, torch.Tensor)}
     Path(output).parent.mkdir(parents=True, exist_ok=True)
     partial = f"{output}.partial"
     if output.endswith(".safetensors"):
@@ -48,11 +53,38 @@ def export_weights(checkpoint: str, output: str) -> int:
         except ImportError:
             raise ExportError("writing .safetensors needs the safetensors package: pip install safetensors, or "
                               "name a .pt output") from None
-        save_file(tensors, partial, metadata={"step": str(loaded.manifest.get("step", ""))})
+        kept, tied = untied(tensors)
+        metadata = {"step": str(loaded.manifest.get("step", ""))}
+        if tied:
+            metadata[TIED_KEY] = json.dumps(tied, sort_keys=True)
+        save_file(kept, partial, metadata=metadata)
     else:
-        torch.save(tensors, partial)
+        # torch.save keeps tied weights tied (one storage, two names), as load_state_dict expects them.
+        torch.save({key: value.contiguous() for key, value in tensors.items()}, partial)
     os.replace(partial, output)  # a reader never finds half a file under the name
     return len(tensors)
+
+
+def untied(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors safetensors accepts (it refuses two that share memory) and the ties it cannot hold: a name that is
+    the very same tensor as an earlier one (a language model's tied embedding and output layer) is written once,
+    under the earlier name, and recorded as ``{name: written name}``; a different view of a shared storage is
+    written as a copy of its own."""
+    kept: dict[str, torch.Tensor] = {}
+    tied: dict[str, str] = {}
+    seen: dict[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype], str] = {}
+    storages: set[int] = set()
+    for name, tensor in tensors.items():
+        view = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        if view in seen and tensor.numel():
+            tied[name] = seen[view]
+            continue
+        storage = tensor.untyped_storage().data_ptr()
+        shared = storage in storages and tensor.numel() > 0
+        kept[name] = tensor.clone() if shared else tensor.contiguous()
+        seen[view] = name
+        storages.add(storage)
+    return kept, tied
 
 
 def main(argv: Sequence[str] | None = None) -> int:

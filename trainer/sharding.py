@@ -57,6 +57,12 @@ class FSDPSync(GradSync):
     def wrap(self, model: nn.Module) -> nn.Module:
         if not any(parameter.requires_grad for parameter in model.parameters()):
             raise TaskError(f"--sync {self.name}: the model has no trainable parameters to shard")
+        scalars = [name for name, parameter in model.named_parameters() if parameter.dim() == 0]
+        if scalars:
+            raise TaskError(f"{self.options.owner}: --sync {self.name} shards each parameter along its first "
+                            f"dimension, and {', '.join(scalars[:5])} {'is' if len(scalars) == 1 else 'are'} 0-d; "
+                            f"make it a 1-element tensor (nn.Parameter(torch.ones(1)) instead of torch.tensor(1.0)), "
+                            f"or train with --sync ddp")
         self.mesh = self.device_mesh()
         units = self._units(model)
         policy = _policy(self.options.precision)

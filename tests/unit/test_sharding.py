@@ -126,3 +126,17 @@ def test_rows_no_file_holds_are_an_error_not_zeros():
     source = source_of({"a": {"/w": (0, torch.zeros(3, 2))}})
     with pytest.raises(ValueError, match=r"the checkpoint's shard files hold 3 of rows 0\.\.5 of /w"):
         fit(marker("/w", [5, 2]), None, source)
+
+
+def test_a_0d_parameter_under_fsdp_is_one_line_naming_it():
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(2, 2)
+            self.temperature = nn.Parameter(torch.tensor(1.0))
+
+    with pytest.raises(TaskError) as raised:
+        FSDPSync(None, SyncOptions(owner="task 'scaled'")).wrap(Scaled())  # type: ignore[arg-type]
+    assert str(raised.value) == (
+        "task 'scaled': --sync fsdp shards each parameter along its first dimension, and temperature is 0-d; make it "
+        "a 1-element tensor (nn.Parameter(torch.ones(1)) instead of torch.tensor(1.0)), or train with --sync ddp")

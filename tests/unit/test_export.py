@@ -1,0 +1,53 @@
+"""ddp-export on a checkpoint written in this process: tied weights (a language model's embedding and output
+layer are one tensor) survive into both output formats."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tests.support.checkpoint_reading import state_at
+from trainer.checkpoint import CheckpointManager, Monitor
+from trainer.config import CheckpointConfig, DistConfig
+from trainer.distributed import Runtime, destroy_process_group, init_process_group
+from trainer.export import TIED_KEY, export_weights
+from trainer.launchers import identity_from_env
+
+
+@pytest.fixture(scope="module")
+def runtime() -> Iterator[Runtime]:
+    runtime = init_process_group(DistConfig(), identity_from_env({}), torch.device("cpu"))
+    yield runtime
+    destroy_process_group()
+
+
+def test_tied_weights_are_written_once_to_safetensors_and_named_and_stay_tied_in_a_torch_file(runtime, tmp_path):
+    import safetensors.torch as safetensors  # a dev dependency: CI has it
+    embedding = torch.arange(12.0).view(4, 3)
+    state = state_at(1, embedding)
+    state.parts["model"].update({"head.weight": embedding, "first_rows": embedding[:2], "bias": torch.ones(3)})
+    manager = CheckpointManager(CheckpointConfig(), str(tmp_path / "ckpt"), runtime, logging.getLogger("export"),
+                                Monitor("loss", "min"))
+    manager.prepare()
+    manager.save(state)
+    manager.finish()
+    manager.close()
+    checkpoint = str(tmp_path / "ckpt" / "step-00000001")
+
+    assert export_weights(checkpoint, str(tmp_path / "weights.safetensors")) == 4
+    written = safetensors.load_file(str(tmp_path / "weights.safetensors"))
+    assert set(written) == {"weight", "first_rows", "bias"}  # head.weight: the same tensor as weight
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "weights.safetensors"), "pt") as opened:
+        assert json.loads(opened.metadata()[TIED_KEY]) == {"head.weight": "weight"}
+    assert torch.equal(written["weight"], embedding) and torch.equal(written["first_rows"], embedding[:2])
+
+    export_weights(checkpoint, str(tmp_path / "weights.pt"))
+    loaded = torch.load(tmp_path / "weights.pt", weights_only=True)
+    assert loaded["head.weight"].data_ptr() == loaded["weight"].data_ptr()  # still one tensor
+    assert torch.equal(loaded["first_rows"], embedding[:2])
