@@ -53,7 +53,7 @@ def _values(underneath: tuple[Config, RunTask] | None, section: str) -> dict[str
 def parse_config(argv: Sequence[str] | None = None, task: str | type | None = None,
                  settings: Mapping[str, Any] | None = None, prog: str = "ddp-train") -> tuple[Config, RunTask]:
     """The validated config and the task it trains, with its options; ``task`` fixes the task (a script's own)."""
-    known, _ = _pre_parser(task is not None).parse_known_args(argv)
+    known, _ = _pre_parser(task is not None, prog).parse_known_args(argv)
     file_values = load_yaml(known.config) if known.config else {}
     values = _merged(dict(settings or {}), file_values)
     spec = resolve(_task_source(task, getattr(known, "task", None), values), TASKS)
@@ -92,9 +92,9 @@ def config_from_values(spec: TaskSpec, values: Mapping[str, Any], flags: Mapping
     return Config(**sections), RunTask(spec, options)
 
 
-def _pre_parser(task_fixed: bool) -> argparse.ArgumentParser:
+def _pre_parser(task_fixed: bool, prog: str) -> argparse.ArgumentParser:
     """--config and --task alone, read before the full parser exists (the task's options are flags too)."""
-    parser = RedactingArgumentParser(add_help=False)
+    parser = RedactingArgumentParser(prog=prog, add_help=False, allow_abbrev=False)
     parser.add_argument("--config", default="")
     if not task_fixed:
         parser.add_argument("--task", default=None)

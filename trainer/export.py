@@ -22,7 +22,7 @@ from trainer.checkpoint import InvalidCheckpoint
 from trainer.checkpoint.manager import UnknownFormat, verify_path
 from trainer.checkpoint.shards import fit
 from trainer.errors import EXIT_OK, EXIT_USAGE
-from trainer.redact import RedactingArgumentParser
+from trainer.redact import RedactingArgumentParser, redact
 
 __all__ = ["TIED_KEY", "export_weights", "main", "untied"]
 
@@ -44,6 +44,8 @@ def export_weights(checkpoint: str, output: str) -> int:
         raise ExportError(f"{checkpoint}: {problem}") from None
     except OSError as error:
         raise ExportError(f"{checkpoint}: cannot read it ({error.strerror or error})") from None
+    except Exception as error:  # noqa: BLE001 - a storage client's own (botocore's): one line, never a traceback
+        raise ExportError(f"{checkpoint}: cannot read it ({' '.join(str(error).split())[:300]})") from None
     tensors = {key: value.detach() for key, value in weights.items() if isinstance(value, torch.Tensor)}
     Path(output).parent.mkdir(parents=True, exist_ok=True)
     partial = f"{output}.partial"
@@ -95,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         count = export_weights(args.checkpoint, args.output)
     except ExportError as problem:
-        print(f"ddp-export: {problem}", file=sys.stderr)
+        print(f"ddp-export: {redact(str(problem), args.checkpoint)}", file=sys.stderr)
         return EXIT_USAGE
     print(f"wrote {count} tensors to {args.output}")
     return EXIT_OK

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from trainer.errors import ConfigError
+from trainer.redact import redact
 from trainer.registry import Registry
 
 __all__ = ["ResumeRule", "check", "check_choice", "option"]
@@ -69,7 +70,8 @@ def add_flags(group: argparse._ActionsContainer, kind: type, defaults: Mapping[s
     for field in fields_of(kind):
         default = (defaults or {}).get(field.name, field.default)
         choices = field.metadata.get("choices")
-        help_text = f"{field.metadata.get('help', '')} (default: {_shown(default)})"
+        # A default from the config file may be a URL with credentials: --help shows it redacted.
+        help_text = f"{field.metadata.get('help', '')} (default: {redact(_shown(default))})"
         if isinstance(choices, Registry):
             help_text += f"; one of {choices.describe()}"
         common: dict[str, Any] = {"dest": field.name, "help": help_text.replace("%", "%%"),

@@ -52,9 +52,36 @@ def _redact_user_information(rest: str) -> str:
     return f"{HIDDEN}{rest[at:]}"
 
 
-def redact(text: str) -> str:
-    """``text`` with the credentials of each URL in it (see the module's docstring) replaced by ***."""
-    return _URL.sub(_redact_url, text) if "://" in text else text
+def redact(text: str, *urls: str) -> str:
+    """``text`` with the credentials of each URL in it (see the module's docstring) replaced by ***; and, where
+    ``urls`` are the addresses the text is about, their secrets wherever they appear without a scheme around them
+    (a storage client's own message: ``Invalid bucket name "AKIA:SECRET@bucket"``)."""
+    shown = _URL.sub(_redact_url, text) if "://" in text else text
+    for url in urls:
+        for secret in _secrets_of(url):
+            shown = shown.replace(secret, HIDDEN)
+    return shown
+
+
+def _secrets_of(url: str) -> list[str]:
+    """The password (or a user name standing alone: a token) in a URL's user information, and its query's and
+    fragment's values."""
+    scheme = _URL.match(url.strip())
+    if scheme is None:
+        return []
+    rest = scheme.group(2)
+    secrets = []
+    at = None
+    for found in _LAST_AT.finditer(rest):
+        at = found.start()
+    if at is not None:
+        credentials = rest[:at]
+        if ":" in credentials:
+            secrets.append(credentials.split(":", 1)[1])
+        elif not any(mark in credentials for mark in "/?#"):
+            secrets.append(credentials)
+    secrets += [match.group(0).split("=", 1)[1] for match in _KEY_VALUE.finditer(rest)]
+    return [secret for secret in secrets if len(secret) >= 3]  # never a fragment so short it hides other words
 
 
 def redacted(value: Any) -> Any:
@@ -74,10 +101,25 @@ class RedactingArgumentParser(argparse.ArgumentParser):
     its values counted, not shown; any other echoed value has its URLs' credentials hidden."""
 
     def error(self, message: str) -> NoReturn:
-        prefix = "unrecognized arguments: "
-        if message.startswith(prefix):
-            words = message[len(prefix):].split()
-            flags = [word.split("=", 1)[0] for word in words if word.startswith("-")]
-            hidden = sum(1 for word in words if not word.startswith("-") or "=" in word)
-            message = prefix + " ".join(flags) + (f" (and {hidden} value(s), not shown)" if hidden else "")
-        super().error(redact(message))
+        super().error(redact(_without_typed_values(message)))
+
+
+def _flag_alone(word: str) -> str:
+    """``--flag=value`` as ``--flag``, ``-pVALUE`` as ``-p``."""
+    return word.split("=", 1)[0] if word.startswith("--") else word[:2]
+
+
+def _without_typed_values(message: str) -> str:
+    """argparse's messages that quote what was typed beside a flag, with the flag alone: an unknown argument's
+    values (counted), an ambiguous abbreviation's ``=value``, a boolean flag's ignored ``=value``. A value a
+    flag refused (``invalid int value: '...'``) stays, URL credentials hidden by the caller: it says what to fix."""
+    unknown = "unrecognized arguments: "
+    if message.startswith(unknown):
+        words = message[len(unknown):].split()
+        flags = [_flag_alone(word) for word in words if word.startswith("-")]
+        hidden = sum(1 for word in words if not word.startswith("-") or _flag_alone(word) != word)
+        return unknown + " ".join(flags) + (f" (and {hidden} value(s), not shown)" if hidden else "")
+    ambiguous = re.match(r"ambiguous option: (\S+) could match (.*)$", message, re.DOTALL)
+    if ambiguous:
+        return f"ambiguous option: {_flag_alone(ambiguous.group(1))} could match {ambiguous.group(2)}"
+    return re.sub(r"ignored explicit argument .*$", "ignored explicit argument (not shown)", message)

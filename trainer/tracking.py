@@ -131,9 +131,17 @@ class _Channel:
             self._calls.put_nowait((call, what, even_after_a_failure))
         except queue.Full:
             if not self.dropped:
-                self.log.warning("tracker %s is %d calls behind (hung?): it is sent nothing more until it catches up; "
-                                 "metrics.jsonl has every record", self.name, self._calls.maxsize)
+                self.log.warning("tracker %s is %d calls behind (hung?): what does not fit is dropped until it catches "
+                                 "up; metrics.jsonl has every record", self.name, self._calls.maxsize)
             self.dropped += 1
+
+    def send_last(self, call: Callable[[], None], what: str, deadline: float) -> bool:
+        """The run's end: sent even after a failure, and waiting for room in the queue until ``deadline``."""
+        try:
+            self._calls.put((call, what, True), timeout=max(0.0, deadline - time.monotonic()))
+            return True
+        except queue.Full:
+            return False
 
     def _serve(self) -> None:
         while (item := self._calls.get()) is not None:
@@ -154,9 +162,9 @@ class _Channel:
         try:
             self._calls.put(None, timeout=max(0.0, deadline - time.monotonic()))
         except queue.Full:
-            return self._calls.qsize() + self.dropped
+            return self._calls.qsize()
         self._thread.join(max(0.0, deadline - time.monotonic()))
-        return self._calls.qsize() + 1 + self.dropped if self._thread.is_alive() else self.dropped
+        return self._calls.qsize() + 1 if self._thread.is_alive() else 0
 
 
 class Tracking:
@@ -169,6 +177,7 @@ class Tracking:
         self.log = log
         self.run_ids: dict[str, str] = {}  # by tracker name: what checkpoints keep
         self._origin: str | None = None  # the output folder of the run that wrote the checkpoint (None: unknown)
+        self._inherited: dict[str, str] = {}  # the checkpoint's runs, by tracker: a fork records where it came from
         self._trackers: dict[str, Tracker] = {}
         self._channels: dict[str, _Channel] = {}
 
@@ -181,8 +190,10 @@ class Tracking:
             return {"runs": dict(self.run_ids), "output_dir": self._folder()}
 
         def restore(saved: dict[str, Any], _: RestoreContext) -> None:
-            self.run_ids.update(saved["runs"])
             self._origin = saved["output_dir"]
+            self._inherited = dict(saved["runs"])
+            if self._fork_of() is None:  # another folder's runs are never this folder's to keep or continue
+                self.run_ids.update(saved["runs"])
 
         def upgrade(version: int, saved: Any) -> dict[str, Any]:
             # Version 0 (before trackers): no run. Version 1 (the ids alone): whose they were is unknown, and
@@ -212,10 +223,10 @@ class Tracking:
         for tracker_name in self.config.trackers:
             tracker: Tracker = TRACKERS.get(tracker_name)()
             resume_id, forked_from = self.run_ids.get(tracker_name), None
-            if fork is not None and resume_id is not None:
+            if fork is not None and tracker_name in self._inherited:
+                forked_from = self._inherited[tracker_name]
                 self.log.info("tracker %s: a new run, which records that it started from run %s (%s)", tracker_name,
-                              resume_id, redact(fork))
-                resume_id, forked_from = None, resume_id
+                              forked_from, redact(fork))
             run = TrackerRun(self.config.experiment, name, resume_id, params, self.output_dir, self.config,
                              forked_from)
             run_id = self._within_timeout(tracker_name, tracker, lambda t=tracker, r=run: t.start(r, self.log))
@@ -302,12 +313,15 @@ class Tracking:
         if end_by is not None and end_by < deadline:
             deadline = end_by
             limit = "the grace period after the stop signal (--grace-period-s)"
+        unsent = {name: not channel.send_last(lambda t=self._trackers[name]: t.end(status),
+                                              f"ending its run ({status})", deadline)
+                  for name, channel in self._channels.items()}
         for name, channel in self._channels.items():
-            channel.send(lambda t=self._trackers[name]: t.end(status), f"ending its run ({status})",
-                         even_after_a_failure=True)
-        for name, channel in self._channels.items():
-            left = channel.close(deadline)
+            left = channel.close(deadline) + unsent[name]
+            dropped = f"; {channel.dropped} record(s) were dropped while it was behind" if channel.dropped else ""
             if left:
-                self.log.warning("tracker %s did not take its last %d call(s) within %s; metrics.jsonl has every "
-                                 "record", name, left, limit)
+                self.log.warning("tracker %s did not take its last %d call(s) within %s%s; metrics.jsonl has every "
+                                 "record", name, left, limit, dropped)
+            elif dropped:
+                self.log.warning("tracker %s ended its run%s; metrics.jsonl has every record", name, dropped)
         self._channels.clear()

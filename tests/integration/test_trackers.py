@@ -161,6 +161,10 @@ def test_a_fork_starts_its_own_run_and_a_deleted_run_is_replaced_not_fatal(serve
     (parent_id,), (fork_id,) = parent.run_ids.values(), fork.run_ids.values()
     assert fork_id != parent_id and client.get_run(fork_id).data.tags["ddp-deploy.forked-from"] == parent_id
     assert [point.step for point in client.get_metric_history(parent_id, "train/loss")] == [1]  # untouched
+    # A fork keeps no other tracker's run of its parent either: a later --tracker of that kind starts anew.
+    bare = Tracking(TrackingConfig(), tmp_path / "no-tracker", enabled=True, log=log)
+    bare.state_part().restore({**saved, "runs": {**saved["runs"], "wandb": "parent-wandb-run"}}, None)  # type: ignore[arg-type]
+    assert bare.state_part().capture()["runs"] == {}
     assert resumed(tmp_path / "parent").run_ids == {"mlflow": parent_id}  # the same folder continues it
     client.delete_run(parent_id)
     replaced = resumed(tmp_path / "parent")

@@ -392,3 +392,24 @@ def test_a_write_whose_job_lost_the_lease_meanwhile_never_commits(manager_for, t
         manager.finish()
     assert names(str(tmp_path)) == [] and open_storage(str(tmp_path)).remove_temporaries() == []
     replacement.release()
+
+
+def test_closing_returns_when_the_storage_hangs_at_the_end_and_the_lease_is_left_to_expire(manager_for, tmp_path,
+                                                                                          monkeypatch):
+    """A mount that stops answering after the last checkpoint must not keep a finished job alive: the lease's
+    renewal and release are given a bounded time, then the lease expires by itself."""
+    from trainer.checkpoint import lease as lease_module
+    from trainer.checkpoint import manager as manager_module
+
+    monkeypatch.setattr(manager_module, "RELEASE_S", 0.5)
+    monkeypatch.setattr(lease_module, "RENEWER_JOIN_S", 0.2)
+    manager = manager_for(str(tmp_path), lease_expiry_s=4)
+    save_steps(manager, [1])
+    hung, stuck = threading.Event(), threading.Event()
+    assert manager.lease is not None
+    monkeypatch.setattr(manager.lease.storage, "replace_file", lambda *args: stuck.set() or hung.wait(60))
+    assert stuck.wait(10)  # a renewal (every second here) is now stuck in the hung storage
+    started = time.monotonic()
+    manager.close()
+    assert time.monotonic() - started < 3
+    hung.set()

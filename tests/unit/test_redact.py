@@ -36,6 +36,10 @@ def test_a_config_is_redacted_everywhere_and_left_unchanged():
     (["--datadir", "s3://AKIA:SECRET@bucket/x", "--token=SECRET2"],
      "ddp-train: error: unrecognized arguments: --datadir --token (and 2 value(s), not shown)", ("SECRET",)),
     (["--epochs", "s3://u:SECRET3@h/x"], "argument --epochs: invalid int value: 's3://u:***@h/x'", ("SECRET3",)),
+    (["--data=ghp_PLAINTOKEN"], "ambiguous option: --data could match --dataset, --data-dir", ("PLAINTOKEN",)),
+    (["--tensorboard=TOKEN9"], "ignored explicit argument (not shown)", ("TOKEN9",)),
+    (["-pSECRET5", "--x=SECRET6"], "unrecognized arguments: -p --x (and 2 value(s), not shown)",
+     ("SECRET5", "SECRET6")),
 ])
 def test_the_command_lines_own_errors_show_no_secret(argv, shown, secrets, capsys):
     """argparse's own error lines echo what was typed: every entry point's parser redacts them."""
@@ -53,3 +57,22 @@ def test_the_command_lines_own_errors_show_no_secret(argv, shown, secrets, capsy
             main(["--unknown", "s3://u:SECRET4@h/x", "x", "y"])
         error = capsys.readouterr().err
         assert "--unknown" in error and "SECRET4" not in error, error
+
+
+def test_a_secret_quoted_without_its_scheme_is_hidden_when_the_url_is_known():
+    """A storage client's own message quotes the bucket part of the URL, credentials and all."""
+    url = "s3://AKIA:CKSECRET@bucket/x?sig=SIGNATURE"
+    said = 'Invalid bucket name "AKIA:CKSECRET@bucket" (signed SIGNATURE) for s3://AKIA:CKSECRET@bucket/x'
+    assert redact(said, url) == 'Invalid bucket name "AKIA:***@bucket" (signed ***) for s3://AKIA:***@bucket/x'
+    assert redact("token TOKEN@host", "https://TOKEN@host/repo") == "token ***@host"
+
+
+def test_help_shows_a_config_files_url_redacted(tmp_path, capsys):
+    from trainer.cli import parse_config
+
+    config = tmp_path / "job.yaml"
+    config.write_text("checkpoint_dir: s3://AKIA:HELPSECRET@bucket/x\n")
+    with pytest.raises(SystemExit):
+        parse_config(["--config", str(config), "--help"])
+    shown = capsys.readouterr().out
+    assert "s3://AKIA:***@bucket/x" in shown and "HELPSECRET" not in shown

@@ -65,11 +65,16 @@ def test_a_record_keeps_the_time_it_was_made_and_a_hung_tracker_cannot_queue_wit
     sent = time.time()
     assert time.monotonic() - started < 2  # training never waits for a tracker
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert warnings == ["tracker slow is 50 calls behind (hung?): it is sent nothing more until it catches up; "
+    assert warnings == ["tracker slow is 50 calls behind (hung?): what does not fit is dropped until it catches up; "
                         "metrics.jsonl has every record"]
-    time.sleep(0.2)  # the records wait, as behind a slow server
-    slow.gate.set()
-    tracking.close("FINISHED")
+    releasing = threading.Timer(0.2, slow.gate.set)  # the records wait, as behind a slow server, then it recovers
+    releasing.start()
+    tracking.close("FINISHED")  # its queue is full: the end waits for room, it is not dropped
+    releasing.join()
+    assert slow.ended == ["FINISHED"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings[1:] == [f"tracker slow ended its run; {200 - len(slow.records)} record(s) were dropped while it "
+                            f"was behind; metrics.jsonl has every record"]
     steps = [step for step, _, _ in slow.records]
     assert steps == list(range(1, len(steps) + 1)) and 50 <= len(steps) <= 52  # the oldest kept, in order
     # Stamped when made, not when the tracker got them (at least 0.2 s later, after the gate opened).
@@ -85,7 +90,7 @@ def listening() -> Iterator[int]:
 
 def test_the_tracking_servers_reachability_is_checked_through_the_proxy_its_client_uses(listening, monkeypatch):
     """A server only a proxy reaches (a name this host cannot resolve) is reachable; NO_PROXY sends it direct."""
-    for name in ("HTTP_PROXY", "http_proxy", "NO_PROXY", "no_proxy"):
+    for name in ("HTTP_PROXY", "http_proxy", "NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{listening}")
     _check_reachable("http://tracking.invalid:5000", 5)
@@ -114,3 +119,18 @@ def test_after_a_failure_a_tracker_is_sent_nothing_but_its_end(slow, tmp_path, c
     assert [step for step, _, _ in slow.records] == [1] and slow.ended == ["FINISHED"]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "tracker slow failed while logging step 2" in warnings[0], warnings
+
+
+def test_a_proxy_named_by_all_proxy_or_without_a_scheme_is_used_and_its_password_never_shown(listening, monkeypatch):
+    for name in ("HTTP_PROXY", "http_proxy", "NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ALL_PROXY", f"127.0.0.1:{listening}")  # requests reads it, and a bare host:port
+    _check_reachable("http://tracking.invalid:5000", 5)
+    monkeypatch.delenv("ALL_PROXY")
+    closed = socket.create_server(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    monkeypatch.setenv("HTTP_PROXY", f"alice:PROXYPW2@127.0.0.1:{port}")
+    with pytest.raises(TrackerError) as raised:
+        _check_reachable("http://tracking.invalid:5000", 5)
+    assert "PROXYPW2" not in str(raised.value) and f"alice:***@127.0.0.1:{port}" in str(raised.value)

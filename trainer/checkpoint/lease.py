@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from trainer.checkpoint.storage import CheckpointStorage, NotAFile
 from trainer.errors import CheckpointError
 
+RENEWER_JOIN_S = 5.0
 LEASE_FOLDER = ".lease"
 HOLDER_FILE = re.compile(r"^holder-(\d{8,})\.json$")
 TAKE_ATTEMPTS = 5
@@ -220,7 +221,9 @@ class CheckpointLease:
         """Mark the lease free, so that the next job starts at once (a run that resumes this one's work)."""
         self._stop.set()
         if self._renewer is not None:
-            self._renewer.join()
+            # A renewal stuck in a hung storage call would hold this forever: the release is tried regardless
+            # (it may hang just the same: callers bound it, CheckpointManager.release_lease_within).
+            self._renewer.join(timeout=RENEWER_JOIN_S)
         if self.generation is None:
             return
         try:

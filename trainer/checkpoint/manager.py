@@ -43,12 +43,15 @@ from trainer.checkpoint.storage import (
 from trainer.config import CheckpointConfig
 from trainer.distributed import Runtime, broadcast_from_main, gather_to_main
 from trainer.errors import CheckpointError, StorageStalled
+from trainer.redact import redact
 
 STATE_FILE = "state.pt"
 # Ours are well under 4 KB; a larger one is not read (it could be anything, of any size).
 MAX_MANIFEST_BYTES = 1 << 20
 # After a write stalled, the lease's release goes to the same storage: tried for this long, then left to expire.
 RELEASE_AFTER_STALL_S = 2.0
+# At a normal end: a release that takes longer is left to the lease's expiry (the storage hangs).
+RELEASE_S = 10.0
 
 
 class InvalidCheckpoint(Exception):
@@ -277,6 +280,9 @@ class CheckpointManager:
             raise CheckpointError(f"--resume {path}: {problem}") from None
         except OSError as error:
             raise CheckpointError(f"--resume {path}: cannot read it ({error.strerror or error})") from None
+        except Exception as error:  # noqa: BLE001 - a storage client's own (botocore's): one line, never a traceback
+            raise CheckpointError(redact(f"--resume {path}: cannot read it ({' '.join(str(error).split())[:300]})",
+                                         path)) from None
 
     # -- save ----------------------------------------------------------------------------------------------
     def save(self, state: TrainingState, metrics: dict[str, float] | None = None,
@@ -461,14 +467,14 @@ class CheckpointManager:
             return
         if self._writer is not None:
             # A save still being written belongs to this job's time in the folder, up to its deadline; past it,
-            # the write is given up (_may_still_commit) and the lease released as after any stall.
+            # the write is given up (_why_no_longer) and the lease released as after any stall.
             self._writer.join(max(0.0, self._writer_deadline - time.monotonic()))
             if self._writer.is_alive():
                 self._stalled = True
                 self.log.warning("%s", self._stalled_message(self._writer_name))
                 self.release_lease_within(RELEASE_AFTER_STALL_S)
                 return
-        self.release_lease()
+        self.release_lease_within(RELEASE_S)  # a storage that hangs now must not keep a finished job alive
 
     def release_lease_within(self, seconds: float) -> None:
         """Release the lease from a thread given ``seconds``: the storage may be what hangs (a forced exit)."""
@@ -509,13 +515,20 @@ class CheckpointManager:
         def make_manifest(files: dict[str, dict[str, Any]]) -> bytes:
             # Called once every other file is written, just before the manifest makes the folder a checkpoint:
             # the last moment to find that this write may no longer commit (storage.commit then removes it).
-            self._may_still_commit(name)
+            reason = self._why_no_longer(name)
+            if reason:
+                raise CheckpointError(f"checkpoint {self.storage.describe(name)} was not committed: {reason}")
             written.update(files)
             manifest = {"format": SHARDED_FORMAT if shard_files else FORMAT, **manifest_extra,
                         "created_unix": time.time(), "files": files}
             return json.dumps(manifest, indent=2).encode()
 
-        self._check_lease()
+        try:
+            self._check_lease()
+        except CheckpointError:
+            if temporary is not None:  # the ranks' shard files: not left in a folder another job now holds
+                self.storage.abandon(temporary)
+            raise
         # torch.save streams straight into the temporary file (through the checksum): no serialised copy
         # of the whole state in memory, no second pass to hash it.
         self.storage.commit(temporary or self.storage.begin(name), name,
@@ -525,18 +538,25 @@ class CheckpointManager:
         sharded = f" in {len(written)} files from {len(shard_files)} rank(s)" if shard_files else ""
         self.log.info("checkpoint %s written (%.1f MB%s in %.2fs)", self.storage.describe(name),
                       self.last_timing.bytes / 1e6, sharded, self.last_timing.write_s)
-        self._may_still_commit(name)
         self.last_committed = name
+        reason = self._why_no_longer(name)
+        if reason:  # committed by the time it was found: said as it is, and nothing older removed
+            raise CheckpointError(f"checkpoint {self.storage.describe(name)} was committed, but the older ones were "
+                                  f"not pruned: {reason}")
         self._prune(written=name)
 
-    def _may_still_commit(self, name: str) -> None:
-        """A write that outlasted --checkpoint-timeout-s was given up (the job was told it stalled, and may be
-        gone, its lease released): if the storage answers again later, it must neither commit nor prune. Nor
-        may a write whose job lost the lease meanwhile."""
+    def _why_no_longer(self, name: str) -> str | None:
+        """Why this write may no longer commit or prune, or None. A write that outlasted --checkpoint-timeout-s was
+        given up (the job was told it stalled, and may be gone, its lease released): if the storage answers again
+        later, it must do neither. Nor may a write whose job lost the lease meanwhile."""
         if self._stalled or time.monotonic() > self._writer_deadline:
-            raise CheckpointError(f"checkpoint {self.storage.describe(name)} was not committed: its write outlasted "
-                                  f"--checkpoint-timeout-s ({self.config.checkpoint_timeout_s:g}s) and was given up")
-        self._check_lease()
+            return (f"its write outlasted --checkpoint-timeout-s ({self.config.checkpoint_timeout_s:g}s) and was "
+                    f"given up")
+        try:
+            self._check_lease()
+        except CheckpointError as lost:
+            return str(lost)
+        return None
 
     def _prune(self, written: str) -> None:
         """Keep the newest ``keep_last`` committed checkpoints up to the one just written and, optionally,

@@ -144,10 +144,25 @@ def tcp_port(env: LaunchEnv, name: str) -> int:
 def is_loopback(address: str) -> bool:
     """An address every host has for itself: it cannot tell one host's job from another's. The unspecified
     addresses (0.0.0.0, ::) too: a master told to listen on every interface is named by no host."""
-    if address.strip().lower() in ("localhost", "localhost.localdomain", "ip6-localhost"):
+    if address.strip().lower() in ("localhost", "localhost.localdomain", "ip6-localhost", "localhost6",
+                                    "localhost6.localdomain6", "ip6-loopback"):
         return True
     try:
         ip = ipaddress.ip_address(address.strip().strip("[]"))
     except ValueError:
+        return _short_ipv4_loopback(address.strip())
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:  # ::ffff:127.0.0.1
+        ip = ip.ipv4_mapped
+    return ip.is_loopback or ip.is_unspecified
+
+
+def _short_ipv4_loopback(address: str) -> bool:
+    """The short forms inet_aton accepts (127.1, 0): ipaddress refuses them, the resolver does not."""
+    import socket
+
+    try:
+        packed = socket.inet_aton(address)
+    except OSError:
         return False
+    ip = ipaddress.IPv4Address(packed)
     return ip.is_loopback or ip.is_unspecified

@@ -34,5 +34,6 @@ class PlainEnvironment(Launcher):
                           master_address(env, world_size))
 
     def job(self, env: LaunchEnv, master_addr: str, master_port: int) -> tuple[str, bool]:
-        # Under Slurm a requeue may start on another first node: the job id, not the master's address, is kept.
-        return slurm_job(env) if env.has("SLURM_JOB_ID") else super().job(env, master_addr, master_port)
+        # In an srun step a requeue may start on another first node: the job and step, not the master's address,
+        # are kept. (Processes the batch script starts itself are told apart by their address, as anywhere.)
+        return slurm_job(env) if in_srun_step(env) else super().job(env, master_addr, master_port)

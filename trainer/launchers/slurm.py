@@ -7,6 +7,8 @@ also sees ``SLURM_PROCID=0`` and the job's task count, and is refused when the j
 
 from __future__ import annotations
 
+import re
+
 from trainer.errors import LaunchEnvError
 from trainer.launchers.base import LaunchEnv, Launcher
 from trainer.launchers.hostlist import expand_counts, expand_hostlist
@@ -19,9 +21,18 @@ SRUN_HINT = ("start one task per rank with srun (srun python -m trainer ...), or
 SLURM_PORT_BASE, SLURM_PORT_SPAN = 20000, 10000
 
 
+# Slurm's special steps, as setup_env prints them (%d of their 0xfffffffN ids): the batch script's (Slurm >= 20.11
+# sets SLURM_STEP_ID=-5 there), the extern step, an interactive salloc's step. Not a task of an srun.
+SPECIAL_STEPS = {"-4", "-5", "-6", str(0xFFFFFFFC), str(0xFFFFFFFB), str(0xFFFFFFFA), "batch", "extern",
+                 "interactive"}
+# torchrun --standalone (and a single node without an endpoint) names each launch with a new uuid: not a name a
+# requeue keeps, so not part of the job's.
+RANDOM_RUN_ID = re.compile(r"^[0-9a-f]{8}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{12}$")
+
+
 def in_srun_step(env: LaunchEnv) -> bool:
-    """A task of an srun step (the batch script itself has SLURM_PROCID=0 too, but no step id)."""
-    return env.has("SLURM_STEP_ID", "SLURM_PROCID")
+    """A task of an srun step (the batch script itself has SLURM_PROCID=0 too, and no step id or a special one)."""
+    return env.has("SLURM_STEP_ID", "SLURM_PROCID") and env.get("SLURM_STEP_ID") not in SPECIAL_STEPS
 
 
 def slurm_job(env: LaunchEnv, run_id: str = "") -> tuple[str, bool]:
@@ -32,9 +43,9 @@ def slurm_job(env: LaunchEnv, run_id: str = "") -> tuple[str, bool]:
     cluster = env.get("SLURM_CLUSTER_NAME")
     job_id = env.get("SLURM_JOB_ID")
     name = f"slurm-job-{cluster + '-' if cluster else ''}{job_id}"
-    if env.has("SLURM_STEP_ID"):
+    if in_srun_step(env):
         name += f".{env.get('SLURM_STEP_ID')}"
-    if run_id not in ("", "none", job_id):
+    if run_id not in ("", "none", job_id) and not RANDOM_RUN_ID.match(run_id.lower()):
         name += f"-torchrun-{run_id}"
     return name, True
 
@@ -120,7 +131,7 @@ class SlurmBatchScript(Launcher):
     prefixes = ("SLURM_",)
 
     def detect(self, env: LaunchEnv) -> bool:
-        return (env.has("SLURM_JOB_ID", "SLURM_NTASKS") and not env.has("SLURM_STEP_ID")
+        return (env.has("SLURM_JOB_ID", "SLURM_NTASKS") and not in_srun_step(env)
                 and env.number("SLURM_NTASKS", "set by Slurm", minimum=1) > 1)
 
     def identity(self, env: LaunchEnv) -> DistIdentity:

@@ -152,13 +152,16 @@ def _check_reachable(uri: str, timeout_s: float) -> None:
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         return
     host, port = parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80)
-    proxy = urllib.request.getproxies().get(parsed.scheme)
+    proxies = urllib.request.getproxies()
+    proxy = proxies.get(parsed.scheme) or proxies.get("all")  # ALL_PROXY too, as requests reads it
     via = ""
     if proxy and not urllib.request.proxy_bypass(host):
-        proxied = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+        proxy = proxy if "://" in proxy else f"http://{proxy}"  # requests takes "user:pass@host:port" as http
+        proxied = urllib.parse.urlsplit(proxy)
         if proxied.hostname:
             host, port = proxied.hostname, proxied.port or (443 if proxied.scheme == "https" else 80)
-            via = f" through the proxy {proxy} ({parsed.scheme.upper()}_PROXY)"
+            named = parsed.scheme.upper() if proxies.get(parsed.scheme) else "ALL"
+            via = f" through the proxy {proxy} ({named}_PROXY)"
     try:
         socket.create_connection((host, port), timeout=min(timeout_s, 10.0)).close()
     except OSError as error:

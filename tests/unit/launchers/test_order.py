@@ -34,7 +34,8 @@ def test_the_job_a_restart_belongs_to_is_named_by_what_each_launcher_keeps_acros
     assert identity_from_env(compose, hostname="node1").job == "env@node0:29500"
     assert identity_from_env({**compose, "DDP_JOB_ID": "nightly-7"}).job == "nightly-7"
     # Addresses every host has (loopback, and the unspecified 0.0.0.0 and ::) name no job: each process is its own.
-    for everywhere in ("127.0.0.1", "localhost", "0.0.0.0", "::", "[::]", "::1"):
+    for everywhere in ("127.0.0.1", "localhost", "0.0.0.0", "::", "[::]", "::1", "127.1", "::ffff:127.0.0.1",
+                       "localhost6"):
         identity = identity_from_env({**compose, "MASTER_ADDR": everywhere}, hostname="node1")
         assert identity.job.startswith("env-node1-") and not identity.job_named, everywhere
     # torchrun under Slurm: the Slurm job, and the torchrun app within it (unless its run id is the job's).

@@ -134,3 +134,19 @@ def test_two_srun_steps_of_one_allocation_are_two_jobs_and_a_requeue_is_the_same
     assert (first.job, second.job) == ("slurm-job-ci-1.0", "slurm-job-ci-1.1")
     requeued = identity_from_env(task(0, "n1", 0, SLURM_RESTART_COUNT="1"))
     assert requeued.job == first.job and requeued.restart_count == 1
+
+
+def test_slurms_special_steps_are_not_srun_tasks_and_a_random_torchrun_id_is_no_part_of_the_job():
+    """Slurm >= 20.11 sets SLURM_STEP_ID=-5 in the batch script (-4 extern, -6 an interactive salloc): the batch
+    script of a 4-task job is still refused, and plain variables there are the plain dialect's."""
+    for special in ("-5", "4294967291", "-6"):
+        batch = {**BATCH, "SLURM_STEP_ID": special}
+        with pytest.raises(LaunchEnvError, match="runs in the batch script itself"):
+            identity_from_env(batch)
+        plain = identity_from_env({**batch, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "n1",
+                                   "MASTER_PORT": "29500"}, hostname="n1")
+        assert (plain.launcher, plain.rank, plain.job) == ("env", 1, "env@n1:29500")
+    standalone = {**TASK_1, "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                  "MASTER_ADDR": "n1", "MASTER_PORT": "29400",
+                  "TORCHELASTIC_RUN_ID": "5c1b0a3e-7d7b-4a8a-9b7c-2f1d9e6c4b10"}  # --standalone's uuid
+    assert identity_from_env(standalone).job == "slurm-job-ci-1.0", "a requeue's new uuid: the same job"

@@ -10,6 +10,7 @@ from typing import IO
 
 from trainer.checkpoint.storage.base import MANIFEST, REPLACED_PREFIX, TEMP_PREFIX, CheckpointStorage, NotAFile
 from trainer.errors import CheckpointError
+from trainer.redact import redact
 
 # The first releases whose exclusive create ("xb") is a conditional write on the store (If-None-Match: *),
 # read in their source: before, s3fs wrote over an existing object. Other backends are tried (see
@@ -43,7 +44,7 @@ class FsspecStorage(CheckpointStorage):
 
     def reason(self, error: OSError) -> str:
         text = super().reason(error)
-        return text.replace(self.root, self.location.rstrip("/")) if self.root else text
+        return redact(text.replace(self.root, self.location.rstrip("/")) if self.root else text, self.location)
 
     def _list(self) -> list[str]:
         if not self.fs.exists(self.root):
@@ -116,9 +117,9 @@ class FsspecStorage(CheckpointStorage):
             self.fs.pipe_file(probe, b"ok")
             self.fs.rm(probe)
         except Exception as error:  # noqa: BLE001 - fsspec backends raise their own exception types
-            raise CheckpointError(
-                f"checkpoint location {self.location} is not writable ({error}); check the URL and credentials"
-            ) from None
+            raise CheckpointError(redact(  # the client's own words may quote the URL's secrets without a scheme
+                f"checkpoint location {self.location} is not writable ({error}); check the URL and credentials",
+                self.location)) from None
         self._check_exclusive_create()
 
     def _check_exclusive_create(self) -> None:
