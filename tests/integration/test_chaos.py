@@ -33,37 +33,54 @@ MAX_FAULTS = 5
 RUN_TIMEOUT_S = 300
 
 
-def launch(output: Path, flags: list[str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(torchrun_command(2, "trainer", [*ARGS, *flags, "--output-dir", str(output)]),
-                            env=clean_env(), cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+def launch(output: Path, flags: list[str], log: Path) -> subprocess.Popen[str]:
+    """torchrun of the job, its log in a file (a pipe would stay open as long as any rank it left behind)."""
+    with log.open("w") as stderr:
+        return subprocess.Popen(torchrun_command(2, "trainer", [*ARGS, *flags, "--output-dir", str(output)]),
+                                env=clean_env(), cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=stderr, text=True,
+                                start_new_session=True)
 
 
-def ranks_of(process: subprocess.Popen[str]) -> list[int]:
-    """torchrun's worker processes (its children)."""
-    children = Path(f"/proc/{process.pid}/task/{process.pid}/children")
-    return [int(pid) for pid in children.read_text().split()] if children.exists() else []
+def descendants(pid: int) -> list[int]:
+    """A process's children, theirs, and so on (torchrun starts its workers in sessions of their own: killing
+    torchrun's process group leaves them running, which a lost node would not)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            for child in map(int, (task / "children").read_text().split()):
+                found += [child, *descendants(child)]
+    return found
+
+
+def kill_everything(process: subprocess.Popen[str]) -> None:
+    for pid in [process.pid, *descendants(process.pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def inflict(fault: str, process: subprocess.Popen[str], chooser: random.Random) -> None:
-    if fault == "kill one rank" and (ranks := ranks_of(process)):
+    ranks = descendants(process.pid)
+    if fault == "kill one rank" and ranks:
         os.kill(chooser.choice(ranks), signal.SIGKILL)
-    elif fault == "terminate the group":
+    elif fault == "terminate the group":  # what a launcher's stop sends (torchrun passes it to the ranks)
         os.killpg(process.pid, signal.SIGTERM)
-    else:
-        os.killpg(process.pid, signal.SIGKILL)
+    else:  # the node is gone: torchrun and every rank at once
+        kill_everything(process)
 
 
-def finish(process: subprocess.Popen[str]) -> tuple[int, str]:
+def finish(process: subprocess.Popen[str], log: Path) -> tuple[int, str]:
+    """The attempt's exit code and log, once torchrun has ended; a rank it left behind is killed (it must not
+    outlive its attempt)."""
+    ranks = descendants(process.pid)
     try:
-        _, stderr = process.communicate(timeout=RUN_TIMEOUT_S)
+        process.wait(timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        _, stderr = process.communicate()
-        raise AssertionError(f"a run did not end within {RUN_TIMEOUT_S} s: {stderr[-3000:]}") from None
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)  # an orphaned rank must not outlive its attempt
-    return process.returncode, stderr
+        kill_everything(process)
+        raise AssertionError(f"a run did not end within {RUN_TIMEOUT_S} s: {log.read_text()[-3000:]}") from None
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return process.returncode, log.read_text()
 
 
 @pytest.mark.parametrize("job", list(JOBS))
@@ -74,13 +91,14 @@ def test_a_job_killed_at_random_moments_and_relaunched_ends_bitwise_like_an_unin
     flags = JOBS[job]
     straight = tmp_path / "uninterrupted"
     started = time.monotonic()
-    code, stderr = finish(launch(straight, flags))
+    code, stderr = finish(launch(straight, flags, tmp_path / "uninterrupted.log"), tmp_path / "uninterrupted.log")
     assert code == 0, f"seed {seed}: {stderr[-3000:]}"
     run_s = time.monotonic() - started
 
     output, history = tmp_path / "chaos", []
     for attempt in range(MAX_FAULTS + 1):  # the last attempt runs undisturbed
-        process = launch(output, flags)
+        log = tmp_path / f"attempt-{attempt}.log"
+        process = launch(output, flags, log)
         what = "undisturbed"
         if attempt < MAX_FAULTS:
             moment, fault = chooser.uniform(0.3, run_s), chooser.choice(FAULTS)
@@ -90,7 +108,7 @@ def test_a_job_killed_at_random_moments_and_relaunched_ends_bitwise_like_an_unin
             except subprocess.TimeoutExpired:
                 inflict(fault, process, chooser)
                 what = f"{fault} at {moment:.1f}s"
-        code, stderr = finish(process)
+        code, stderr = finish(process, log)
         history.append(f"{what}: exit {code}")
         if code == 0:
             assert "error:" not in stderr, f"seed {seed}, {history}: {stderr[-3000:]}"
