@@ -88,19 +88,31 @@ def listening() -> Iterator[int]:
     server.close()
 
 
-def test_the_tracking_servers_reachability_is_checked_through_the_proxy_its_client_uses(listening, monkeypatch):
-    """A server only a proxy reaches (a name this host cannot resolve) is reachable; NO_PROXY sends it direct."""
+@pytest.fixture
+def no_proxies(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     for name in ("HTTP_PROXY", "http_proxy", "NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def closed_port() -> int:
+    """A port nothing listens on (it was bound a moment ago)."""
+    closed = socket.create_server(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    return port
+
+
+def test_the_tracking_servers_reachability_is_checked_through_the_proxy_its_client_uses(listening, no_proxies):
+    """A server only a proxy reaches (a name this host cannot resolve) is reachable; NO_PROXY sends it direct."""
+    monkeypatch = no_proxies
     monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{listening}")
     _check_reachable("http://tracking.invalid:5000", 5)
     monkeypatch.setenv("NO_PROXY", "tracking.invalid")
     with pytest.raises(TrackerError, match="cannot reach the tracking server http://tracking.invalid:5000 \\("):
         _check_reachable("http://tracking.invalid:5000", 5)
     monkeypatch.delenv("NO_PROXY")
-    closed = socket.create_server(("127.0.0.1", 0))
-    port = closed.getsockname()[1]
-    closed.close()
+    port = closed_port()
     monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{port}")
     proxied = f"through the proxy http://127.0.0.1:{port} \\(HTTP_PROXY\\).*or the proxy$"
     with pytest.raises(TrackerError, match=proxied):
@@ -121,15 +133,12 @@ def test_after_a_failure_a_tracker_is_sent_nothing_but_its_end(slow, tmp_path, c
     assert len(warnings) == 1 and "tracker slow failed while logging step 2" in warnings[0], warnings
 
 
-def test_a_proxy_named_by_all_proxy_or_without_a_scheme_is_used_and_its_password_never_shown(listening, monkeypatch):
-    for name in ("HTTP_PROXY", "http_proxy", "NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"):
-        monkeypatch.delenv(name, raising=False)
+def test_a_proxy_named_by_all_proxy_or_without_a_scheme_is_used_and_its_password_never_shown(listening, no_proxies):
+    monkeypatch = no_proxies
     monkeypatch.setenv("ALL_PROXY", f"127.0.0.1:{listening}")  # requests reads it, and a bare host:port
     _check_reachable("http://tracking.invalid:5000", 5)
     monkeypatch.delenv("ALL_PROXY")
-    closed = socket.create_server(("127.0.0.1", 0))
-    port = closed.getsockname()[1]
-    closed.close()
+    port = closed_port()
     monkeypatch.setenv("HTTP_PROXY", f"alice:PROXYPW2@127.0.0.1:{port}")
     with pytest.raises(TrackerError) as raised:
         _check_reachable("http://tracking.invalid:5000", 5)

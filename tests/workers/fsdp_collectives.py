@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer.build import autocast_for
 from trainer.config import DistConfig
-from trainer.distributed import destroy_process_group, init_process_group
+from trainer.distributed import process_group
 from trainer.gradsync import SyncOptions
 from trainer.launchers import identity_from_env
 from trainer.sharding import FSDPSync
@@ -73,8 +73,7 @@ def counting(calls: Counter[str], name: str) -> None:
 
 
 def main(precision: str) -> None:
-    runtime = init_process_group(DistConfig(), identity_from_env(os.environ), torch.device("cpu"))
-    try:
+    with process_group(DistConfig(), identity_from_env(os.environ), torch.device("cpu")) as runtime:
         torch.manual_seed(0)
         sync = FSDPSync(runtime, SyncOptions(precision, None, "the test's net"))
         model = sync.wrap(Net())
@@ -90,10 +89,6 @@ def main(precision: str) -> None:
             gathers, scatters = sum(calls[name] for name in GATHERS), sum(calls[name] for name in SCATTERS)
             print(f"units {len(sync.units) + 1} all-gathers {gathers} reduce-scatters {scatters} batchnorm-compute "
                   f"{','.join(sorted(norms.dtypes))}", flush=True)
-    finally:
-        if runtime.liveness is not None:
-            runtime.liveness.close()
-        destroy_process_group()
 
 
 if __name__ == "__main__":
