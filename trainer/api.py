@@ -167,7 +167,8 @@ def _prepare_and_fit(config: Config, task: RunTask, runtime: Runtime, checkpoint
         agreed(runtime, lambda: write_config(Path(config.output.output_dir), shown_config) if runtime.is_main
                else None, OutputError)
         # After the restore: a resumed run continues its tracker runs (their ids are in the checkpoint).
-        agreed(runtime, lambda: tracking.start(redacted(layout(config, task))), TrackerError)
+        resumed_at = trainer.position.step if loaded is not None else None
+        agreed(runtime, lambda: tracking.start(redacted(layout(config, task)), resumed_at), TrackerError)
         return trainer.fit(), trainer
     finally:
         trainer.close()

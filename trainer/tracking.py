@@ -55,6 +55,9 @@ class TrackerRun:
     settings: TrackingConfig
     # A new run started from another job's or folder's checkpoint: that run's id, recorded in the new one.
     forked_from: str | None = None
+    # The optimizer step the checkpoint being resumed was written at (None: a fresh start). A run that logged
+    # later steps before it crashed logs them again from here: the tracker records that rollback.
+    resumed_at_step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -213,7 +216,7 @@ class Tracking:
         return None
 
     # -- start ---------------------------------------------------------------------------------------------
-    def start(self, params: dict[str, Any]) -> None:
+    def start(self, params: dict[str, Any], resumed_at_step: int | None = None) -> None:
         """Rank 0 starts each tracker, or continues the checkpoint's run of it; TrackerError if one cannot.
         The caller agrees on the outcome across ranks (trainer.distributed.agreed)."""
         if not self.enabled:
@@ -228,7 +231,7 @@ class Tracking:
                 self.log.info("tracker %s: a new run, which records that it started from run %s (%s)", tracker_name,
                               forked_from, redact(fork))
             run = TrackerRun(self.config.experiment, name, resume_id, params, self.output_dir, self.config,
-                             forked_from)
+                             forked_from, resumed_at_step)
             run_id = self._within_timeout(tracker_name, tracker, lambda t=tracker, r=run: t.start(r, self.log))
             continued = "continues" if run_id == resume_id else "started"
             self.log.info("tracker %s: %s run %s%s", tracker_name, continued, run_id,

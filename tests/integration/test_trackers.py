@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -222,6 +224,48 @@ def test_a_server_that_dies_mid_run_is_one_warning_and_the_run_completes(tmp_pat
         assert len(warnings) == 1 and expected in warnings[0], stderr[-3000:]
         assert "Retrying" not in stderr and "Traceback" not in stderr, stderr[-3000:]  # nor a library's warnings
         assert [record["step"] for record in records(output, "train")] == list(range(1, 17))
+
+
+def test_a_crash_after_the_newest_checkpoint_is_recorded_as_a_rollback_in_the_same_run(server, tmp_path):
+    """SIGKILL at a gate mid-run, after some steps were logged past the newest checkpoint; the relaunch continues
+    the same MLflow run from that checkpoint, logs those steps again, and the run says where it went back."""
+    output, gate = tmp_path / "run", tmp_path / "gate"
+    gate.mkdir()
+    common = [sys.executable, "-m", "trainer", "--task", "tests.support.tasks:GatedTask", "--batch-size", "8",
+              "--epochs", "1", "--log-every", "1", "--checkpoint-every", "2", "--progress", "off", "--no-tensorboard",
+              "--output-dir", str(output), "--tracker", "mlflow", "--tracking-uri", server.uri, "--experiment",
+              "rollbacks", "--job-id", "rollbacks"]
+    # The gate at the 6th loss call: steps 1-3 logged, the newest checkpoint at step 2.
+    process = subprocess.Popen([*common, "--gate", str(gate), "--gate-at", "6"], env=clean_env(), cwd=REPO_ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_for(gate / "reached", process)
+        logged = [record["step"] for record in records(output, "train")]
+        client = server.client()
+        deadline = time.monotonic() + 60
+        while True:  # the tracker's thread has sent what metrics.jsonl holds: the crash loses none of it
+            runs = client.search_runs([client.get_experiment_by_name("rollbacks").experiment_id])
+            sent = [point.step for point in client.get_metric_history(runs[0].info.run_id, "train/loss")] if runs \
+                else []
+            if sent and max(sent) == logged[-1]:
+                break
+            assert time.monotonic() < deadline, f"MLflow has steps {sent}, metrics.jsonl {logged}"
+            time.sleep(0.1)
+        os.killpg(process.pid, signal.SIGKILL)  # a crash: no checkpoint at the stop, nothing released
+        process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    saved = sorted(int(path.name.split("-")[1]) for path in (output / "checkpoints").glob("step-*"))
+    assert saved and logged and logged[-1] > saved[-1], (logged, saved)  # steps logged past the checkpoint
+    resumed = run([*common], env=clean_env(), timeout_s=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (found,) = client.search_runs([client.get_experiment_by_name("rollbacks").experiment_id])
+    assert found.data.tags["ddp-deploy.rollbacks"] == f"resumed at step {saved[-1]} after step {logged[-1]} was logged"
+    history = [point.step for point in client.get_metric_history(found.info.run_id, "train/loss")]
+    again = list(range(saved[-1] + 1, logged[-1] + 1))
+    assert sorted(history) == sorted([*range(1, max(history) + 1), *again]), history  # both values of those steps
+    assert f"logs steps {saved[-1] + 1}-{logged[-1]} again" in resumed.stderr
 
 
 def _wait_for(path: Path, process: subprocess.Popen) -> None:

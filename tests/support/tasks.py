@@ -242,7 +242,8 @@ class WideTask(Task[WideOptions]):
 
 @dataclass
 class GateOptions:
-    gate: str = option("", "a folder: at the fourth training batch, rank 0 writes 'reached' there and waits for 'go'")
+    gate: str = option("", "a folder: at the gate's loss call, rank 0 writes 'reached' there and waits for 'go'")
+    gate_at: int = option(5, "the loss call the gate stops at (the first is the first-batch check's)")
 
 
 class GatedTask(ViewTask):
@@ -255,7 +256,7 @@ class GatedTask(ViewTask):
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         self.calls += 1
-        if self.options.gate and self.calls == 5 and os.environ.get("RANK", "0") == "0":  # the first is the check's
+        if self.options.gate and self.calls == self.options.gate_at and os.environ.get("RANK", "0") == "0":
             gate = Path(self.options.gate)
             (gate / "reached").touch()
             deadline = time.monotonic() + 120

@@ -29,6 +29,7 @@ from trainer.redact import redact
 from trainer.seams import TRACKERS
 from trainer.tracking import CheckpointFiles, Tracker, TrackerRun, flat_params
 
+ROLLBACK_TAG = "ddp-deploy.rollbacks"
 DEFAULT_EXPERIMENT = "ddp-deploy"
 # MLflow's limits: a batch holds at most 1000 metrics and 100 parameters.
 METRICS_PER_BATCH, PARAMS_PER_BATCH = 1000, 100
@@ -72,7 +73,7 @@ class MlflowTracker(Tracker):
     def _start(self, run: TrackerRun, log: logging.Logger) -> str:
         experiment = run.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
         params = flat_params(run.params)
-        if run.resume_id and self._continue(run.resume_id, params, log):
+        if run.resume_id and self._continue(run.resume_id, params, log, run.resumed_at_step):
             return self.run_id
         found = self.client.get_experiment_by_name(experiment)
         self.experiment_id = found.experiment_id if found is not None else self.client.create_experiment(experiment)
@@ -83,7 +84,8 @@ class MlflowTracker(Tracker):
         self._log_params(params)
         return self.run_id
 
-    def _continue(self, run_id: str, params: dict[str, str], log: logging.Logger) -> bool:
+    def _continue(self, run_id: str, params: dict[str, str], log: logging.Logger,
+                  resumed_at_step: int | None = None) -> bool:
         """Continue the checkpoint's run; False (a new run) when this server does not have it."""
         from mlflow.exceptions import MlflowException
 
@@ -108,7 +110,24 @@ class MlflowTracker(Tracker):
         self._log_params({key: value for key, value in params.items() if key not in known})
         if changed:
             self.client.set_tag(run_id, "ddp-deploy.resume-changes", "; ".join(changed))
+        if resumed_at_step is not None:
+            self._record_rollback(saved, resumed_at_step, log)
         return True
+
+    def _record_rollback(self, saved: Any, step: int, log: logging.Logger) -> None:
+        """A run that crashed after its newest checkpoint logged steps this resume logs again. MLflow keeps every
+        value (it has no way to take one back): the run says where it went back, in its tag
+        ``ddp-deploy.rollbacks``, and the values logged after the rollback are the later ones of each step."""
+        logged = max((point.step for point in self.client.get_metric_history(self.run_id, "train/loss")),
+                     default=0)
+        if logged <= step:
+            return
+        earlier = saved.data.tags.get(ROLLBACK_TAG, "")
+        said = f"resumed at step {step} after step {logged} was logged"
+        self.client.set_tag(self.run_id, ROLLBACK_TAG, f"{earlier}; {said}" if earlier else said)
+        log.warning("tracker mlflow: run %s had logged steps up to %d; this resume from the checkpoint of step %d "
+                    "logs steps %d-%d again (MLflow keeps both values; tag %s)", self.run_id, logged, step, step + 1,
+                    logged, ROLLBACK_TAG)
 
     def _log_params(self, params: dict[str, str]) -> None:
         from mlflow.entities import Param
