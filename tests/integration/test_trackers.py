@@ -95,10 +95,18 @@ def test_a_stopped_and_resumed_two_rank_run_is_one_run_in_mlflow_and_in_wandb(se
     segments = wandb_records(tmp_path)
     assert len(segments) == 2
     ids = {record["run"]["run_id"] for segment in segments for record in segment if record["type"] == "run"}
-    assert len(ids) == 1 and f"tracker wandb: continues run {ids.pop()}" in resumed.stderr
+    (ids_seen,) = ids
+    assert f"tracker wandb: continues run {ids_seen}" in resumed.stderr
     steps = [record["history"]["item"]["trainer/step"] for segment in segments for record in segment
              if record["type"] == "history" and "train/loss" in record["history"]["item"]]
     assert steps == list(range(1, 13))
+    rows = [[record["history"]["item"]["_step"] for record in segment if record["type"] == "history"]
+            for segment in segments]
+    assert rows[0][0] == rows[1][0] == 0, "offline, W&B's own counter starts again in each segment"
+    dry_run = subprocess.run([str(BIN_DIR / "wandb"), "sync", "--dry-run",
+                              *map(str, sorted((tmp_path / "wandb").glob("offline-run-*")))],
+                             env=clean_env({"WANDB_API_KEY": "x" * 40}), capture_output=True, text=True, timeout=120)
+    assert dry_run.returncode == 0 and dry_run.stderr.count(f"run-{ids_seen}.wandb") == 2, dry_run.stderr[-2000:]
     configs = [[record["config"]["update"] for record in segment if record["type"] == "config"] for segment in segments]
     assert configs[0][0]["optim"]["lr"] == 0.001 and configs[0][0]["task"]["name"] == "classification"
     assert configs[1][0]["optim"]["lr"] == 0.002  # W&B's config follows the resume's change

@@ -6,8 +6,10 @@ reads or writes. Its files go to OUTPUT_DIR/wandb unless WANDB_DIR says otherwis
 Mapping: the config and task are the run's config (nested as config.yaml); each metrics record is one history
 row with its optimizer step as ``trainer/step``, declared the x-axis of every metric (W&B's own row counter must
 only grow, and a resumed run may repeat a step the checkpoint came before); summary.json's numbers are the run's
-summary. A resume continues the checkpoint's run id (``resume="allow"``): offline, each segment is a folder of
-its own with the same id, which ``wandb sync`` uploads as one run.
+summary. A resume continues the checkpoint's run id (``resume="allow"``). Offline W&B does not resume: each
+segment is a folder of its own with the same id and a row counter that starts again at 0 (``trainer/step`` goes
+on); ``wandb sync`` of all of them in one call uploads them in order of start (W&B 0.31's help; what a server
+makes of it is not tested here: docs/tracking.md).
 """
 
 from __future__ import annotations
