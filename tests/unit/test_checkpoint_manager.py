@@ -413,3 +413,27 @@ def test_closing_returns_when_the_storage_hangs_at_the_end_and_the_lease_is_left
     manager.close()
     assert time.monotonic() - started < 3
     hung.set()
+
+
+def test_closing_with_an_async_write_still_running_waits_only_until_its_deadline_and_it_never_commits(
+        manager_for, tmp_path, monkeypatch):
+    from trainer.checkpoint import manager as manager_module
+
+    manager = manager_for(str(tmp_path), async_checkpoint=True, checkpoint_timeout_s=1)
+    writing, go_on = threading.Event(), threading.Event()
+    save_state = manager_module.save_state
+
+    def hung_save(state: dict, handle: object) -> None:
+        writing.set()
+        go_on.wait(30)
+        save_state(state, handle)
+
+    monkeypatch.setattr(manager_module, "save_state", hung_save)
+    manager.save(state_at(1))
+    assert writing.wait(30)
+    started = time.monotonic()
+    manager.close()  # no finish(): the end of a run whose last save is still being written
+    assert time.monotonic() - started < 1 + RELEASE_AFTER_STALL_S + 2
+    go_on.set()  # the storage answers again
+    manager._writer.join(30)
+    assert names(str(tmp_path)) == [] and open_storage(str(tmp_path)).remove_temporaries() == []
