@@ -137,7 +137,7 @@ def test_a_preempted_run_is_killed_in_mlflow_until_its_resume_continues_it(serve
     client = server.client()
     assert client.get_run(run_id).info.status == "KILLED"
     requeued = Tracking(config, tmp_path, enabled=True, log=log)
-    requeued.run_ids.update(first.state_part().capture())  # what the checkpoint carries
+    requeued.state_part().restore(first.state_part().capture(), None)  # type: ignore[arg-type]  # the checkpoint
     with requeued.run():
         requeued.start({"optim": {"lr": 0.1}})
         assert requeued.run_ids == {"mlflow": run_id}
