@@ -364,25 +364,33 @@ def test_the_checkpoint_sent_to_trackers_is_this_runs_last_and_its_lookup_never_
     release.set()
 
 
-def test_a_write_whose_job_lost_the_lease_meanwhile_never_commits(manager_for, tmp_path, monkeypatch):
-    """A replacement with the same identity takes the lease while this rank 0's write is under way (a partitioned
-    node, a stalled disk): the lease is checked again at the commit itself, so the old write neither commits nor
-    moves the new job's same-step folder aside."""
+def save_held_midway(manager: CheckpointManager, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """An asynchronous save of step 1 whose writer stops inside its state file (a hung disk, a partitioned node)
+    until the returned event is set; returns once the writer is there."""
     from trainer.checkpoint import manager as manager_module
-    from trainer.checkpoint.lease import CheckpointLease
 
-    manager = manager_for(str(tmp_path), async_checkpoint=True)
     writing, go_on = threading.Event(), threading.Event()
     save_state = manager_module.save_state
 
-    def slow_save(state: dict, handle: object) -> None:
+    def held(state: dict, handle: object) -> None:
         writing.set()
         go_on.wait(30)
         save_state(state, handle)
 
-    monkeypatch.setattr(manager_module, "save_state", slow_save)
+    monkeypatch.setattr(manager_module, "save_state", held)
     manager.save(state_at(1))
     assert writing.wait(30)
+    return go_on
+
+
+def test_a_write_whose_job_lost_the_lease_meanwhile_never_commits(manager_for, tmp_path, monkeypatch):
+    """A replacement with the same identity takes the lease while this rank 0's write is under way (a partitioned
+    node, a stalled disk): the lease is checked again at the commit itself, so the old write neither commits nor
+    moves the new job's same-step folder aside."""
+    from trainer.checkpoint.lease import CheckpointLease
+
+    manager = manager_for(str(tmp_path), async_checkpoint=True)
+    go_on = save_held_midway(manager, monkeypatch)
     assert manager.lease is not None
     replacement = CheckpointLease(open_storage(str(tmp_path)), manager.lease.job, "other-host", 60.0,
                                   logging.getLogger("checkpoint-test"), job_named=True)
@@ -417,20 +425,8 @@ def test_closing_returns_when_the_storage_hangs_at_the_end_and_the_lease_is_left
 
 def test_closing_with_an_async_write_still_running_waits_only_until_its_deadline_and_it_never_commits(
         manager_for, tmp_path, monkeypatch):
-    from trainer.checkpoint import manager as manager_module
-
     manager = manager_for(str(tmp_path), async_checkpoint=True, checkpoint_timeout_s=1)
-    writing, go_on = threading.Event(), threading.Event()
-    save_state = manager_module.save_state
-
-    def hung_save(state: dict, handle: object) -> None:
-        writing.set()
-        go_on.wait(30)
-        save_state(state, handle)
-
-    monkeypatch.setattr(manager_module, "save_state", hung_save)
-    manager.save(state_at(1))
-    assert writing.wait(30)
+    go_on = save_held_midway(manager, monkeypatch)
     started = time.monotonic()
     manager.close()  # no finish(): the end of a run whose last save is still being written
     assert time.monotonic() - started < 1 + RELEASE_AFTER_STALL_S + 2
