@@ -20,7 +20,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -247,10 +247,14 @@ def checkpoint_written(checkpoints: CheckpointManager, log: logging.Logger,
     found: list[CheckpointFiles] = []
 
     def look() -> None:
-        found.append(CheckpointFiles(name, tuple(storage.files(name)), lambda filename: storage.read(name, filename)))
+        try:
+            found.append(CheckpointFiles(name, tuple(storage.files(name)),
+                                         lambda filename: storage.read(name, filename)))
+        except Exception as error:  # noqa: BLE001 - any backend's error: the courtesy is skipped, with a word
+            log.warning("listing checkpoint %s failed (%s); the trackers get no checkpoint", storage.describe(name),
+                        redact(described(error)))
 
-    looking = threading.Thread(target=_quietly(look, log, f"listing checkpoint {storage.describe(name)}"),
-                               name="checkpoint-lookup", daemon=True)
+    looking = threading.Thread(target=look, name="checkpoint-lookup", daemon=True)
     looking.start()
     looking.join(within_s)
     if looking.is_alive():
@@ -258,11 +262,3 @@ def checkpoint_written(checkpoints: CheckpointManager, log: logging.Logger,
                     storage.describe(name), within_s)
     return found[0] if found else None
 
-
-def _quietly(action: Callable[[], None], log: logging.Logger, what: str) -> Callable[[], None]:
-    def run() -> None:
-        try:
-            action()
-        except Exception as error:  # noqa: BLE001 - any backend's error: the courtesy is skipped, with a word
-            log.warning("%s failed (%s); the trackers get no checkpoint", what, redact(described(error)))
-    return run

@@ -35,21 +35,31 @@ def _redact_url(match: re.Match[str]) -> str:
     return scheme + rest[:cut] + _KEY_VALUE.sub(rf"\1={HIDDEN}", rest[cut:])
 
 
-def _redact_user_information(rest: str) -> str:
-    """``user:password@`` keeps the user and hides the password; a user alone (``TOKEN@``, how GitHub and
-    many services take a token) is hidden whole. Text before an "@" that holds a "/" and no ":" is a path
-    with an "@" in it (``s3://bucket/logo@2x.png``), not credentials."""
+def _user_information(rest: str) -> tuple[str | None, str, int] | None:
+    """A URL's (after its scheme) user, secret and where its "@" is: in ``user:password@`` the password is the
+    secret; a user alone (``TOKEN@``, how GitHub and many services take a token) is the secret, with no user.
+    Text before an "@" that holds a "/" and no ":" is a path with an "@" in it (``s3://bucket/logo@2x.png``),
+    not credentials: None, as for no "@"."""
     at = None
     for found in _LAST_AT.finditer(rest):
         at = found.start()
     if at is None:
-        return rest
+        return None
     credentials = rest[:at]
     if ":" in credentials:
-        return f"{credentials.split(':', 1)[0]}:{HIDDEN}{rest[at:]}"
+        user, secret = credentials.split(":", 1)
+        return user, secret, at
     if "/" in credentials or "?" in credentials or "#" in credentials:
+        return None
+    return None, credentials, at  # no user: the token alone
+
+
+def _redact_user_information(rest: str) -> str:
+    found = _user_information(rest)
+    if found is None:
         return rest
-    return f"{HIDDEN}{rest[at:]}"
+    user, _, at = found
+    return f"{HIDDEN}{rest[at:]}" if user is None else f"{user}:{HIDDEN}{rest[at:]}"
 
 
 def redact(text: str, *urls: str) -> str:
@@ -70,16 +80,8 @@ def _secrets_of(url: str) -> list[str]:
     if scheme is None:
         return []
     rest = scheme.group(2)
-    secrets = []
-    at = None
-    for found in _LAST_AT.finditer(rest):
-        at = found.start()
-    if at is not None:
-        credentials = rest[:at]
-        if ":" in credentials:
-            secrets.append(credentials.split(":", 1)[1])
-        elif not any(mark in credentials for mark in "/?#"):
-            secrets.append(credentials)
+    found = _user_information(rest)
+    secrets = [found[1]] if found is not None else []
     secrets += [match.group(0).split("=", 1)[1] for match in _KEY_VALUE.finditer(rest)]
     return [secret for secret in secrets if len(secret) >= 3]  # never a fragment so short it hides other words
 

@@ -117,21 +117,21 @@ class _Channel:
     that hangs (MLflow's client retries one call for about 20 minutes by default) must not grow the training
     process's memory without end; what does not fit is dropped, with one warning."""
 
-    def __init__(self, name: str, log: logging.Logger, limit: int | None = None) -> None:
+    def __init__(self, name: str, log: logging.Logger) -> None:
         self.name = name
         self.log = log
         self.failed = False
         self.dropped = 0
-        self._calls: queue.Queue[tuple[Callable[[], None], str, bool] | None] = queue.Queue(
-            maxsize=QUEUED_CALLS if limit is None else limit)
+        # Each call, what it does (for the warning), and whether it is sent even after a failure (the end).
+        self._calls: queue.Queue[tuple[Callable[[], None], str, bool] | None] = queue.Queue(maxsize=QUEUED_CALLS)
         self._thread = threading.Thread(target=self._serve, name=f"tracker-{name}", daemon=True)
         self._thread.start()
 
-    def send(self, call: Callable[[], None], what: str, even_after_a_failure: bool = False) -> None:
-        if self.failed and not even_after_a_failure:
+    def send(self, call: Callable[[], None], what: str) -> None:
+        if self.failed:
             return
         try:
-            self._calls.put_nowait((call, what, even_after_a_failure))
+            self._calls.put_nowait((call, what, False))
         except queue.Full:
             if not self.dropped:
                 self.log.warning("tracker %s is %d calls behind (hung?): what does not fit is dropped until it catches "

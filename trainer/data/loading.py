@@ -64,11 +64,11 @@ def _load_synthetic(options: Any, runtime: Runtime, seed: int) -> Splits:
              options.synthetic_test_size)
     if not options.data_cache_dir:
         return make_synthetic(*sizes)
-    # Made once per node into the cache (by its local-main rank), then read by every rank.
+    # Made once per node into the cache (by its local-main rank), then read by the node's other ranks.
     folder = Path(options.data_cache_dir).expanduser()
     local_main = runtime.identity.is_local_main
-    _agreed(runtime, (lambda: cached_synthetic(folder, *sizes)) if local_main else _nothing)
-    return _agreed(runtime, lambda: cached_synthetic(folder, *sizes))
+    made = _agreed(runtime, (lambda: cached_synthetic(folder, *sizes)) if local_main else _nothing)
+    return _agreed(runtime, (lambda: made) if local_main else (lambda: cached_synthetic(folder, *sizes)))
 
 
 def _load_imagefolder(options: Any, runtime: Runtime, seed: int) -> Splits:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ __all__ = ["TORCHRUN_HINT", "LaunchEnv", "Launcher", "is_loopback"]
 TORCHRUN_HINT = "start the trainer through torchrun (torchrun --nnodes ... --nproc-per-node ... trainer/main.py)"
 # The variables that make a process one of a group in the plain, torchrun and PyTorchJob dialects.
 PROCESS_VARIABLES = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK"})
+LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost", "localhost6", "localhost6.localdomain6",
+                  "ip6-loopback")
 
 
 @dataclass(frozen=True)
@@ -144,25 +147,23 @@ def tcp_port(env: LaunchEnv, name: str) -> int:
 def is_loopback(address: str) -> bool:
     """An address every host has for itself: it cannot tell one host's job from another's. The unspecified
     addresses (0.0.0.0, ::) too: a master told to listen on every interface is named by no host."""
-    if address.strip().lower() in ("localhost", "localhost.localdomain", "ip6-localhost", "localhost6",
-                                    "localhost6.localdomain6", "ip6-loopback"):
+    text = address.strip()
+    if text.lower() in LOOPBACK_NAMES:
         return True
-    try:
-        ip = ipaddress.ip_address(address.strip().strip("[]"))
-    except ValueError:
-        return _short_ipv4_loopback(address.strip())
+    ip = _ip_address(text.strip("[]"))
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:  # ::ffff:127.0.0.1
         ip = ip.ipv4_mapped
-    return ip.is_loopback or ip.is_unspecified
+    return ip is not None and (ip.is_loopback or ip.is_unspecified)
 
 
-def _short_ipv4_loopback(address: str) -> bool:
-    """The short forms inet_aton accepts (127.1, 0): ipaddress refuses them, the resolver does not."""
-    import socket
-
+def _ip_address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """An IP address, the short IPv4 forms that inet_aton accepts included (127.1, 0: ipaddress refuses them,
+    the resolver does not); None for a host name."""
     try:
-        packed = socket.inet_aton(address)
+        return ipaddress.ip_address(text)
+    except ValueError:
+        pass
+    try:
+        return ipaddress.IPv4Address(socket.inet_aton(text))
     except OSError:
-        return False
-    ip = ipaddress.IPv4Address(packed)
-    return ip.is_loopback or ip.is_unspecified
+        return None
