@@ -15,7 +15,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from trainer.checkpoint.parts import PartKind, RestoreContext, StatePart, StateParts
-from trainer.checkpoint.shards import fit, is_marker
+from trainer.checkpoint.shards import is_marker
 from trainer.config import Config
 from trainer.distributed import Runtime, agreed
 from trainer.errors import TaskError, described
@@ -23,6 +23,7 @@ from trainer.evaluation import MetricSet
 from trainer.gpu import DeviceTuning, choose_tuning, set_tf32
 from trainer.gradsync import GradSync, SyncOptions, build_grad_sync, unwrap
 from trainer.items import checked_collate
+from trainer.optimizer_state import by_index, by_name, index_to_name, parameter_names
 from trainer.optimizers import build_optimizer
 from trainer.preemption import ignore_stop_signals_in_worker
 from trainer.rng import RngState, capture_rng, isolated, restore_rng, seed_after_resize, seed_everything
@@ -222,35 +223,39 @@ def build_training(config: Config, task: RunTask, runtime: Runtime,
 
 
 def state_parts(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> StateParts:
-    """The checkpoint's parts of what is built here: the model (unwrapped from DDP and compile), the optimizer,
-    the grad scaler and the random generators."""
+    """The checkpoint's parts of what is built here: the model (unwrapped from DDP and compile), the optimizer
+    (by parameter name: trainer.optimizer_state), the grad scaler and the random generators."""
     parameters = frozenset(f"/{name}" for name, _ in model.named_parameters())
+    names = parameter_names(model, optimizer)
     parts = StateParts()
 
-    # A sharded run's tensors are fitted to this run's shards, whatever world size (or a plain run) saved them
-    # (trainer.checkpoint.shards); an unsharded one's pass through unchanged.
-    def restore_model(saved: dict[str, Any], context: RestoreContext) -> None:
-        model.load_state_dict(fit(saved, model.state_dict(), context.shards))
+    # Templates: a sharded run's tensors are fitted to this run's shards, whatever world size (or a plain run)
+    # saved them (trainer.checkpoint.shards); an unsharded one's pass through unchanged.
+    def restore_model(saved: dict[str, Any], _: RestoreContext) -> None:
+        model.load_state_dict(saved)
 
-    def restore_optimizer(saved: dict[str, Any], context: RestoreContext) -> None:
-        optimizer.load_state_dict(fit(saved, _optimizer_template(saved, optimizer), context.shards))
+    def restore_optimizer(saved: dict[str, Any], _: RestoreContext) -> None:
+        optimizer.load_state_dict(by_index(saved, names))
 
     # Only the optimizer step changes the parameters (buffers such as BatchNorm's statistics change in the
     # forward pass) and the optimizer's state: an asynchronous save copies those during the next step.
     parts.add(StatePart("model", model.state_dict, restore_model, opaque=True,
-                        changed_by_step_only=parameters.__contains__))
-    parts.add(StatePart("optimizer", optimizer.state_dict, restore_optimizer,
-                        opaque=True, changed_by_step_only=lambda path: path.startswith("/state/")))
+                        changed_by_step_only=parameters.__contains__, template=lambda _: model.state_dict()))
+    # Version 2: keyed by parameter name (version 1: by index in the optimizer, this run's order).
+    parts.add(StatePart("optimizer", lambda: by_name(optimizer.state_dict(), names), restore_optimizer,
+                        opaque=True, changed_by_step_only=lambda path: path.startswith("/state/"), version=2,
+                        upgrade=lambda _, saved: index_to_name(saved, names),
+                        template=lambda saved: _optimizer_template(saved, model)))
     parts.add(StatePart("grad_scaler", scaler.state_dict, lambda saved, _: scaler.load_state_dict(saved),
                         opaque=True))
     parts.add(rng_part())
     return parts
 
 
-def _optimizer_template(saved: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def _optimizer_template(saved: Any, model: nn.Module) -> dict[str, Any]:
     """Where this run holds each saved optimizer tensor: a per-parameter state tensor of its parameter's shape
     (Adam's moments, SGD's momentum) is laid out, and sharded, like that parameter."""
-    parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+    parameters = dict(model.named_parameters())
     state = saved.get("state") if isinstance(saved, dict) else None
     if not isinstance(state, dict):
         return {}
@@ -259,10 +264,9 @@ def _optimizer_template(saved: Any, optimizer: torch.optim.Optimizer) -> dict[st
         shape = value["shape"] if is_marker(value) else getattr(value, "shape", None)
         return shape is not None and list(shape) == list(parameter.shape)
 
-    return {"state": {index: {key: parameters[index] for key, value in entry.items()
-                              if shaped_like(value, parameters[index])}
-                      for index, entry in state.items()
-                      if isinstance(index, int) and 0 <= index < len(parameters) and isinstance(entry, dict)}}
+    return {"state": {name: {key: parameters[name] for key, value in entry.items()
+                             if shaped_like(value, parameters[name])}
+                      for name, entry in state.items() if name in parameters and isinstance(entry, dict)}}
 
 
 def rng_part() -> StatePart:

@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 
 from trainer.checkpoint import InvalidCheckpoint
-from trainer.checkpoint.manager import UnknownFormat, verify_path
-from trainer.checkpoint.shards import fit
+from trainer.checkpoint.reading import UnknownFormat
+from trainer.checkpoint.shards import fit_all
+from trainer.checkpoint.verification import verify_path
 from trainer.errors import EXIT_OK, EXIT_USAGE
 from trainer.redact import RedactingArgumentParser, redact
 
@@ -39,7 +40,7 @@ def export_weights(checkpoint: str, output: str) -> int:
     try:
         loaded = verify_path(checkpoint)
         source = loaded.shard_source()
-        weights = fit(loaded.state.model, None, source)
+        weights = fit_all(loaded.state.model, None, source)
     except (InvalidCheckpoint, UnknownFormat, ValueError) as problem:
         raise ExportError(f"{checkpoint}: {problem}") from None
     except OSError as error:

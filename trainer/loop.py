@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader
 
 from trainer.build import TrainingSetup
 from trainer.checkpoint import CheckpointManager, LoadedCheckpoint
-from trainer.checkpoint.manager import InvalidCheckpoint
 from trainer.checkpoint.parts import RestoreContext, add_run_parts
+from trainer.checkpoint.reading import InvalidCheckpoint
 from trainer.checkpoint.schema import TaskRecord
 from trainer.config import Config
 from trainer.distributed import Runtime, agreed
@@ -75,7 +75,7 @@ class Trainer:
     def restore(self, loaded: LoadedCheckpoint) -> None:
         """Continue from a checkpoint that trainer.resume.check_resume accepted for this run."""
         state, identity = loaded.state, self.runtime.identity
-        source = loaded.shard_source()
+        source = loaded.shard_source(self.checkpoints.side_group())
         context = RestoreContext(identity.rank, identity.world_size, state.world_size, self.config.train.seed,
                                  state.position.step, loaded.location, source)
         try:

@@ -5,15 +5,19 @@ at another one with every sample trained exactly once, convert to and from DDP c
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from bench.figures.sharded import FIXED_MMAP_THRESHOLD
 from devtools.processes import REPO_ROOT, TORCHRUN, clean_env, env_ranks, free_port, run, torchrun
@@ -25,6 +29,7 @@ from tests.support.checkpoint_reading import (
     wait_for_checkpoint,
     whole,
 )
+from tests.support.older_formats import write_format_4
 from tests.support.sample_logs import global_order
 from trainer.checkpoint import open_storage, verify
 from trainer.errors import EXIT_PREEMPTED
@@ -68,19 +73,27 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return output
 
 
-def test_a_sharded_checkpoint_holds_each_ranks_rows_and_loads_without_pickled_code(uninterrupted):
+def test_a_sharded_checkpoint_is_dcp_files_that_torchs_own_reader_loads_by_name(uninterrupted):
     folder = sorted((uninterrupted / "checkpoints").glob("step-*"))[-1]
     manifest = json.loads((folder / "manifest.json").read_text())
-    assert manifest["format"] == 4
-    assert sorted(manifest["files"]) == ["shards-00000.pt", "shards-00001.pt", "state.pt"]
+    assert manifest["format"] == 5
+    assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp", "items.json", "state.pt"]
+    ours = whole(verify(open_storage(str(folder.parent)), folder.name))
+    # What a user with torch alone does (docs/sharded.md): torch's FileSystemReader, keys by name.
+    model = {key: torch.empty_like(value) for key, value in ours["model"].items()}
+    momentum = {name: {"momentum_buffer": torch.empty_like(entry["momentum_buffer"])}
+                for name, entry in ours["optimizer"]["state"].items()}
+    dcp.load({"model": model, "optimizer": {"state": momentum}}, checkpoint_id=str(folder), no_dist=True)
+    assert_same_tensors(model, ours["model"])
+    assert_same_tensors(momentum, {name: {"momentum_buffer": entry["momentum_buffer"]}
+                                   for name, entry in ours["optimizer"]["state"].items()})
+    assert set(momentum) == {name for name, value in ours["model"].items() if value.is_floating_point()
+                             and "running" not in name}  # every parameter's momentum, by the parameter's name
+    # Both ranks wrote their rows, each item with its checksum; the state file holds no tensor of the model.
+    items = json.loads((folder / "items.json").read_text())
+    assert sorted(items) == ["__0_0.distcp", "__1_0.distcp"] and all(items.values())
     state = torch.load(folder / "state.pt", weights_only=True)
-    rows = {path: [state["shards"]["files"][name][path] for name in ("shards-00000.pt", "shards-00001.pt")]
-            for path in state["shards"]["files"]["shards-00000.pt"]}
-    shard = torch.load(folder / "shards-00001.pt", weights_only=True)
-    for path, ((first0, count0), (first1, count1)) in rows.items():
-        assert first0 == 0 and first1 == count0, path  # rank 1 holds the rows after rank 0's
-        assert shard[path].shape[0] == count1
-    assert any(path.startswith("/optimizer/state/") for path in rows)
+    assert all(set(marker) == {"__shard__", "shape", "dtype"} for marker in state["model"].values())
 
 
 def test_stopping_and_resuming_at_the_same_world_size_is_bitwise_identical_with_async_saves(uninterrupted, tmp_path):
@@ -135,6 +148,20 @@ def test_ddp_checkpoints_load_into_fsdp_runs_and_back(uninterrupted, tmp_path):
     assert manifest["format"] == 3  # the last segment was DDP: a plain state file again
 
 
+def test_a_format_4_checkpoint_of_the_last_release_resumes_to_the_same_end(tmp_path):
+    """Format 4 (tests/support/older_formats.py: made from a format 5 checkpoint of this machine, the optimizer by
+    index) and the format 5 original, each resumed at 2 ranks with AdamW: the same end, bitwise."""
+    adamw = ("--optimizer", "adamw")
+    launch(2, tmp_path / "new", *adamw, "--max-steps", "4")
+    write_format_4(tmp_path / "new" / "checkpoints" / "step-00000004",
+                   tmp_path / "old" / "checkpoints" / "step-00000004", ranks=2)
+    launch(2, tmp_path / "new", *adamw)
+    launch(2, tmp_path / "old", *adamw)
+    assert summary(tmp_path / "old")["resumed_from"].endswith("step-00000004")
+    assert json.loads((tmp_path / "old" / "checkpoints" / "step-00000010" / "manifest.json").read_text())["format"] == 5
+    assert_same_tensors(trained(tmp_path / "old"), trained(tmp_path / "new"))
+
+
 def test_resharding_uneven_shards_trains_each_sample_exactly_once(tmp_path):
     """The ledger task (98 samples): with 3 ranks x 4 the last step leaves a rank empty, and the 98 x 1 embedding
     is sharded 49/49 then 33/33/32: any sample trained twice or lost in the resharding shows in its number."""
@@ -158,7 +185,7 @@ def test_sigterm_under_fsdp_writes_a_sharded_checkpoint_and_exits_retryable(unin
     _, stderr = process.communicate(timeout=120)
     assert f"exiting with {EXIT_PREEMPTED}" in stderr, stderr[-3000:]
     _, manifest, _ = newest_checkpoint(tmp_path / "checkpoints")
-    assert manifest["format"] == 4 and 0 < manifest["step"] < 90
+    assert manifest["format"] == 5 and 0 < manifest["step"] < 90
 
 
 def test_meta_init_never_gives_a_rank_the_whole_model_and_starts_from_the_plain_builds_weights(tmp_path):
@@ -198,7 +225,9 @@ def test_hsdp_shards_within_each_node_and_replicates_across_two(uninterrupted, t
     logged = outputs[0][1] + outputs[1][1]
     assert "mesh 2x2" in logged, logged[-3000:]
     manifest = json.loads((tmp_path / "checkpoints" / "step-00000002" / "manifest.json").read_text())
-    assert sorted(manifest["files"]) == ["shards-00000.pt", "shards-00001.pt", "state.pt"]  # replica 0 only
+    # Each replica's chunks are the same: DCP writes each once, spread over the replicas' ranks.
+    assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp",
+                                         "__3_0.distcp", "items.json", "state.pt"]
     launch(1, tmp_path)
     order = global_order(tmp_path, 4, 0, 2) + global_order(tmp_path, 1, 2, 10**9)
     assert order == ResumableDistributedSampler(range(SIZE), 1, 0, seed=7).epoch_order()
@@ -241,14 +270,45 @@ def test_a_damaged_shard_file_is_refused_in_one_line_and_export_puts_a_checkpoin
     damaged = tmp_path / "checkpoints" / folder.name
     damaged.parent.mkdir()
     shutil.copytree(folder, damaged)
-    with open(damaged / "shards-00001.pt", "r+b") as shard:
+    with open(damaged / "__1_0.distcp", "r+b") as shard:
         shard.seek(200)
         shard.write(b"\x00\x01\x02\x03")
-    refused = run([sys.executable, "-m", "trainer.export", str(damaged), str(tmp_path / "again.pt")])
-    assert refused.returncode == 2
-    assert refused.stderr.strip() == (f"ddp-export: {damaged}: shards-00001.pt does not match the manifest's crc32 "
-                                      f"checksum (corrupted)")
-    assert not (tmp_path / "again.pt").exists()
+    assert export_refused(damaged, tmp_path) == (f"ddp-export: {damaged}: __1_0.distcp does not match its item "
+                                                 f"checksum at byte 0 (corrupted)")
+    size = (damaged / "__1_0.distcp").stat().st_size
+    (damaged / "__1_0.distcp").write_bytes((folder / "__1_0.distcp").read_bytes()[:size // 2])
+    assert export_refused(damaged, tmp_path) == (f"ddp-export: {damaged}: __1_0.distcp has {size // 2} bytes, the "
+                                                 f"manifest says {size}")
+    (damaged / "__1_0.distcp").unlink()
+    assert export_refused(damaged, tmp_path) == (f"ddp-export: {damaged}: __1_0.distcp is missing (the manifest "
+                                                 f"lists it)")
+    # A .metadata that unpickles a callable, its manifest entry rewritten to match (whoever can write the files
+    # can write the manifest too): refused before anything of it runs.
+    shutil.copy(folder / "__1_0.distcp", damaged / "__1_0.distcp")
+    witness = tmp_path / "ran"
+    (damaged / ".metadata").write_bytes(pickle.dumps(RunsCode(f"touch {witness}")))
+    manifest = json.loads((damaged / "manifest.json").read_text())
+    payload = (damaged / ".metadata").read_bytes()
+    manifest["files"][".metadata"] = {"bytes": len(payload), "crc32": f"{zlib.crc32(payload) & 0xFFFFFFFF:08x}"}
+    (damaged / "manifest.json").write_text(json.dumps(manifest))
+    assert export_refused(damaged, tmp_path) == (f"ddp-export: {damaged}: .metadata holds posix.system, which is "
+                                                 f"none of DCP's metadata types: refused (a pickle can run code when "
+                                                 f"loaded)")
+    assert not witness.exists()
+
+
+class RunsCode:
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def export_refused(folder: Path, tmp_path: Path) -> str:
+    refused = run([sys.executable, "-m", "trainer.export", str(folder), str(tmp_path / "again.pt")])
+    assert refused.returncode == 2 and not (tmp_path / "again.pt").exists(), refused.stderr
+    return refused.stderr.strip()
 
 
 def test_fsdp_under_plain_rank_variables_checkpoints_to_an_object_store_and_reshards_from_it(s3_env, tmp_path):

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from trainer.checkpoint import LoadedCheckpoint, TaskRecord, TrainingPosition, TrainingState, open_storage, verify
-from trainer.checkpoint.shards import fit
+from trainer.checkpoint.shards import fit_all
 from trainer.rng import capture_rng
 
 
@@ -40,7 +40,7 @@ def whole(loaded: LoadedCheckpoint) -> dict[str, Any]:
     """A checkpoint's state as a plain dict, a sharded one's tensors put together from every rank's rows."""
     source = loaded.shard_source()
     raw = loaded.state.to_dict()
-    return raw if source is None else fit(raw, None, source)
+    return raw if source is None else fit_all(raw, None, source)
 
 
 def assert_same_tensors(left: Any, right: Any, path: str = "") -> None:

@@ -106,8 +106,8 @@ def test_a_broken_newest_checkpoint_is_skipped_with_its_reason_for_the_previous_
 
 
 @pytest.mark.parametrize(("version", "message"), [
-    (1, "format 1, which this trainer cannot read (it reads 2, 3, 4)"),
-    (5, "format 5, which this trainer cannot read (it reads 2, 3, 4); it was written by a newer ddp-deploy"),
+    (1, "format 1, which this trainer cannot read (it reads 2, 3, 4, 5)"),
+    (6, "format 6, which this trainer cannot read (it reads 2, 3, 4, 5); it was written by a newer ddp-deploy"),
 ])
 def test_a_checkpoint_in_an_unknown_format_is_refused_not_skipped(version, message, manager_for, tmp_path):
     """Skipping it would start afresh and, later, prune the checkpoints this trainer could not read."""

@@ -1,9 +1,11 @@
 """Checkpoints: the training state as named parts, crash-consistent storage, the folder's lease, resume."""
 
-from trainer.checkpoint.manager import CheckpointManager, InvalidCheckpoint, LoadedCheckpoint, Monitor, verify
+from trainer.checkpoint.manager import CheckpointManager, Monitor
 from trainer.checkpoint.parts import PartKind, RestoreContext, StatePart, StateParts, add_run_parts
+from trainer.checkpoint.reading import InvalidCheckpoint
 from trainer.checkpoint.schema import FORMAT, TaskRecord, TrainingState
 from trainer.checkpoint.storage import CheckpointStorage, open_storage
+from trainer.checkpoint.verification import LoadedCheckpoint, verify
 from trainer.position import TrainingPosition
 
 __all__ = ["FORMAT", "CheckpointManager", "CheckpointStorage", "InvalidCheckpoint", "LoadedCheckpoint", "Monitor",

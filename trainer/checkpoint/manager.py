@@ -6,7 +6,6 @@ one (no manifest, wrong size or checksum, unreadable) is reported and skipped, n
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import threading
@@ -20,64 +19,22 @@ import torch
 import torch.distributed as dist
 from torch.utils.serialization import config as serialization_config
 
-from trainer.checkpoint import shards
+from trainer.checkpoint import dcp_files, shards
 from trainer.checkpoint.lease import CheckpointLease
-from trainer.checkpoint.schema import (
-    FORMAT,
-    READABLE,
-    SHARDED_FORMAT,
-    SchemaError,
-    TrainingState,
-    library_versions,
-)
+from trainer.checkpoint.reading import STATE_FILE, InvalidCheckpoint, UnknownFormat
+from trainer.checkpoint.schema import DCP_FORMAT, FORMAT, TrainingState, library_versions
 from trainer.checkpoint.snapshot import HostSnapshots, Snapshot
-from trainer.checkpoint.storage import (
-    MANIFEST,
-    CheckpointStorage,
-    NotAFile,
-    checkpoint_name,
-    crc32_hex,
-    open_storage,
-    step_of,
-)
+from trainer.checkpoint.storage import MANIFEST, FileWriter, checkpoint_name, open_storage, step_of
+from trainer.checkpoint.verification import LoadedCheckpoint, verify, verify_path
 from trainer.config import CheckpointConfig
 from trainer.distributed import Runtime, broadcast_from_main, gather_to_main
 from trainer.errors import CheckpointError, StorageStalled
 from trainer.redact import redact
 
-STATE_FILE = "state.pt"
-# Ours are well under 4 KB; a larger one is not read (it could be anything, of any size).
-MAX_MANIFEST_BYTES = 1 << 20
 # After a write stalled, the lease's release goes to the same storage: tried for this long, then left to expire.
 RELEASE_AFTER_STALL_S = 2.0
 # At a normal end: a release that takes longer is left to the lease's expiry (the storage hangs).
 RELEASE_S = 10.0
-
-
-class InvalidCheckpoint(Exception):
-    """Why one checkpoint folder cannot be used (it is skipped, the next older one is tried)."""
-
-
-class UnknownFormat(Exception):
-    """A checkpoint in a format this trainer cannot read: refused, never skipped, so that a format change
-    cannot make ``--resume latest`` quietly start afresh and prune the checkpoints it could not read."""
-
-
-@dataclass
-class LoadedCheckpoint:
-    location: str
-    manifest: dict[str, Any]
-    state: TrainingState
-    # Where the folder is (its storage's location and its name): each rank reads its own shards there.
-    folder: tuple[str, str] = ("", "")
-
-    def shard_source(self) -> shards.ShardSource | None:
-        """The rows of a sharded checkpoint's tensors, read by this rank and checked against the manifest."""
-        if self.state.shards is None:
-            return None
-        storage, name = open_storage(self.folder[0]), self.folder[1]
-        return shards.ShardSource(self.state.shards, lambda filename: _checked_read(storage, name, filename,
-                                                                                    self.manifest))
 
 
 @dataclass(frozen=True)
@@ -93,106 +50,6 @@ class SaveTiming:
     write_s: float = 0.0  # serialise + checksum + write + fsync + commit
     bytes: int = 0
     copied_later_bytes: int = 0  # an asynchronous save's tensors copied after save() returned
-
-
-def verify(storage: CheckpointStorage, name: str) -> LoadedCheckpoint:
-    """Read one checkpoint and check it against its manifest; InvalidCheckpoint says what is wrong, in one line."""
-    if not storage.exists(name, MANIFEST):
-        raise InvalidCheckpoint("no manifest (the save did not finish)" if storage.has_folder(name)
-                                else "no such checkpoint folder")
-    manifest, version = _read_manifest(storage, name)
-    data = _checked_read(storage, name, STATE_FILE, manifest)
-    try:
-        # weights_only: a checkpoint on shared storage must not be able to run code when loaded.
-        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as error:  # noqa: BLE001 - any unpickling failure means the same: unusable
-        raise InvalidCheckpoint(f"{STATE_FILE} does not load with weights_only=True ({_load_failure(error)})"
-                                ) from None
-    if not isinstance(state, dict):
-        raise InvalidCheckpoint(f"{STATE_FILE} holds a {type(state).__name__}, not a training state")
-    for filename in manifest["files"]:
-        if filename != STATE_FILE:  # a sharded checkpoint's shard files: read through, never kept
-            _checked_read(storage, name, filename, manifest)
-    try:
-        return LoadedCheckpoint(storage.describe(name), manifest, TrainingState.from_dict(state, version),
-                                (storage.location, name))
-    except SchemaError as problem:
-        raise InvalidCheckpoint(str(problem)) from None
-
-
-def verify_path(path: str) -> LoadedCheckpoint:
-    """``verify`` of the checkpoint at ``path``: its folder, or its state file or manifest, local or a URL."""
-    folder = path.rstrip("/")
-    if folder.endswith(f"/{STATE_FILE}") or folder.endswith(f"/{MANIFEST}"):
-        folder = folder.rsplit("/", 1)[0]
-    parent, _, name = folder.rpartition("/")
-    return verify(open_storage(parent or "."), name)
-
-
-def _checked_read(storage: CheckpointStorage, name: str, filename: str, manifest: dict[str, Any]) -> bytes:
-    """One of the checkpoint's files, its size and checksum those the manifest promises."""
-    try:
-        expected = manifest["files"][filename]
-        size, checksum = int(expected["bytes"]), str(expected["crc32"])
-    except (KeyError, TypeError, ValueError):
-        raise InvalidCheckpoint(f"{MANIFEST} does not describe {filename}") from None
-    if "/" in filename or filename.startswith("."):
-        raise InvalidCheckpoint(f"{MANIFEST} names a file outside the checkpoint folder ({filename!r})")
-    try:
-        # The size first: a file that is not what the manifest promises is not read at all.
-        found = storage.size(name, filename)
-        if found != size:
-            raise InvalidCheckpoint(f"{filename} has {found} bytes, the manifest says {size}")
-        data = storage.read(name, filename)
-    except NotAFile as problem:
-        raise InvalidCheckpoint(str(problem)) from None
-    except OSError as error:
-        raise InvalidCheckpoint(f"{filename} unreadable ({error.strerror or error})") from None
-    if len(data) != size:
-        raise InvalidCheckpoint(f"{filename} has {len(data)} bytes, the manifest says {size}")
-    if crc32_hex(data) != checksum:
-        raise InvalidCheckpoint(f"{filename} does not match the manifest's crc32 checksum (corrupted)")
-    return data
-
-
-def _read_manifest(storage: CheckpointStorage, name: str) -> tuple[dict[str, Any], int]:
-    """The manifest and its format; its entry for the state file checked here, where its faults have their
-    messages (the file itself is read by _checked_read)."""
-    try:
-        if storage.size(name, MANIFEST) > MAX_MANIFEST_BYTES:
-            raise InvalidCheckpoint(f"{MANIFEST} is larger than any manifest this trainer writes "
-                                    f"({MAX_MANIFEST_BYTES} bytes at most)")
-        manifest = json.loads(storage.read(name, MANIFEST))
-        expected = manifest["files"][STATE_FILE]
-        int(expected["bytes"]), str(expected["crc32"])  # both present, the size a number: or the errors below
-        version = manifest.get("format")
-    except NotAFile as problem:
-        raise InvalidCheckpoint(str(problem)) from None
-    except OSError as error:
-        raise InvalidCheckpoint(f"{MANIFEST} unreadable ({error.strerror or error})") from None
-    except ValueError as error:  # JSONDecodeError and UnicodeDecodeError included
-        raise InvalidCheckpoint(f"{MANIFEST} is not valid JSON ({error})") from None
-    except KeyError as error:
-        raise InvalidCheckpoint(f"{MANIFEST} has no {error} entry") from None
-    except (TypeError, AttributeError):
-        raise InvalidCheckpoint(f"{MANIFEST} does not have the layout this trainer writes") from None
-    if version not in READABLE:
-        newer = isinstance(version, int) and version > FORMAT
-        raise UnknownFormat(
-            f"{storage.describe(name)} is in checkpoint format {version!r}, which this trainer cannot read (it reads "
-            f"{', '.join(map(str, READABLE))})" + ("; it was written by a newer ddp-deploy: upgrade this one" if newer
-                                                   else "") + "; or pass --resume none or another --checkpoint-dir to "
-            "start afresh (the checkpoints there are kept)")
-    return manifest, version
-
-
-def _load_failure(error: Exception) -> str:
-    """The one informative sentence of torch.load's error (its weights_only message is a page long)."""
-    text = str(error)
-    if "WeightsUnpickler error:" in text:
-        text = text.split("WeightsUnpickler error:", 1)[1]
-    first = (text.strip().splitlines() or [type(error).__name__])[0]
-    return first.split(". ", 1)[0].rstrip(".")[:300]
 
 
 class CheckpointManager:
@@ -319,11 +176,12 @@ class CheckpointManager:
             self._raise_everywhere(error, stalled)
 
     def _save_sharded(self, state: TrainingState, metrics: dict[str, float] | None) -> None:
-        """Every rank writes its own rows of the sharded tensors into the new folder, in parallel; rank 0 then
-        writes the state file and the manifest (every file's size and checksum) and commits the folder. An
-        asynchronous save returns once this rank's rows are copied to host memory (trainer.checkpoint.shards); a
-        synchronous one writes the rows where they are (training waits for it), with no copy."""
-        split = shards.split(state.parts)
+        """Every rank writes its share of the tensors into the new folder through DCP (trainer.checkpoint.dcp_files),
+        in parallel; rank 0 then writes the state file (the parts, each tensor replaced by a marker), the items'
+        checksums and the manifest (every file's size and checksum), and commits the folder. An asynchronous save
+        returns once this rank's tensors are copied to host memory; a synchronous one writes them where they are
+        (training waits for it), with no copy."""
+        split = dcp_files.split(state.parts, state.per_rank)
         gathered = {name: gather_to_main(state.parts[name], self.runtime) for name in state.per_rank}
         name = checkpoint_name(state.position.step)
         opened: tuple[str | None, str | None] = (None, None)
@@ -336,50 +194,50 @@ class CheckpointManager:
         temporary, error = broadcast_from_main(opened, self.runtime)
         self._raise_everywhere(error)
         assert temporary is not None
-        if self._side_group is None and self.runtime.identity.world_size > 1:
-            # The writers report to rank 0 from their threads: collectives of their own, apart from training's.
-            # Their timeout is the save's (gloo's default, 30 minutes, would end a longer allowed save early).
-            self._side_group = dist.new_group(backend="gloo",
-                                              timeout=timedelta(seconds=self.config.checkpoint_timeout_s))
-        # Training goes on meanwhile under --async-checkpoint: copies in host memory are written, this rank's rows
-        # and, on rank 0, the plain tensors of the same step (AdamW's step count, BatchNorm's statistics).
-        local, copies = self._take(split.local, "/shards", lambda path: False)
+        group = self.side_group()
+        # Training goes on meanwhile under --async-checkpoint: what is written are copies in host memory of every
+        # tensor of this step, sharded or not (AdamW's step counts, BatchNorm's statistics).
+        tensors, copies = self._take(split.tensors, "/tensors", lambda path: False)
         raw: dict[str, Any] = {}
         described: dict[str, Any] = {}
         if self.runtime.is_main:
             state.parts = {**split.plain, **{part: values or [] for part, values in gathered.items()}}
             state.versions = library_versions()
             raw, described = state.to_dict(), state.manifest(metrics)
-            raw, plain_copies = self._take(raw, "", lambda path: False)
-            copies = copies + plain_copies
-        self._launch_writer(name, self._write_sharded, (name, temporary, local, split.rows, raw, described, copies))
+        self._launch_writer(name, self._write_sharded,
+                            (name, temporary, tensors, split.layout, raw, described, copies, group))
         if not self.config.async_checkpoint:
             self._raise_everywhere(*self._wait_for_writer())
 
-    def _write_sharded(self, name: str, temporary: str, local: dict[str, torch.Tensor],
-                       rows: dict[str, list[int]], raw: dict[str, Any], manifest_extra: dict[str, Any],
-                       copies: list[Snapshot]) -> None:
+    def side_group(self) -> Any:
+        """The checkpoint's own gloo group, made once on every rank (a collective): DCP's planning and the ranks'
+        reports run on it, from the writer thread, apart from training's collectives. Its timeout is the save's
+        (gloo's default, 30 minutes, would end a longer allowed save early). None without a process group."""
+        if self._side_group is None and dist.is_initialized():
+            self._side_group = dist.new_group(backend="gloo",
+                                              timeout=timedelta(seconds=self.config.checkpoint_timeout_s))
+        return self._side_group
+
+    def _write_sharded(self, name: str, temporary: str, tensors: dict[str, torch.Tensor],
+                       layout: dict[str, Any], raw: dict[str, Any], manifest_extra: dict[str, Any],
+                       copies: list[Snapshot], group: Any) -> None:
         started = time.perf_counter()
         rank = self.runtime.identity.rank
-        written: dict[str, Any] | None = None
+        written = dcp_files.Written({}, {})
         failure = None
         try:
             self._on_writer_thread(copies)
-            if local:
-                written = self.storage.write_file(temporary, shards.shard_file(rank),
-                                                  lambda handle: save_state(local, handle))
-        except OSError as error:
-            failure = (f"rank {rank} could not write its shards into {self.storage.describe(temporary)} "
-                       f"({self.storage.reason(error)}); sharded checkpoints need a --checkpoint-dir that every rank "
-                       f"reaches (a shared file system or an object store)")
+            written = dcp_files.save(tensors, layout, self.storage, temporary, rank, group)
+        except dcp_files.RankFailed as failed:  # every rank learns it from DCP: each reports the same line
+            failure = self._shard_failure(failed.rank, failed.error, temporary)
         except Exception as error:  # noqa: BLE001 - reported by rank 0; this thread must reach the gather
-            failure = f"rank {rank} could not write its shards: {error!r}"
-        reports = [(written, rows, failure)]
+            failure = self._shard_failure(rank, error, temporary)
+        reports = [(written, failure)]
         try:
-            if self._side_group is not None:
+            if group is not None:
                 everyone: list[Any] | None = ([None] * self.runtime.identity.world_size if self.runtime.is_main
                                               else None)
-                dist.gather_object((written, rows, failure), everyone, dst=0, group=self._side_group)
+                dist.gather_object((written, failure), everyone, dst=0, group=group)
                 reports = everyone or []
         except Exception as error:  # noqa: BLE001 - a save whose reports never arrived is a failed save
             self._writer_error = (f"the ranks' reports of checkpoint {self.storage.describe(name)} did not reach "
@@ -391,18 +249,26 @@ class CheckpointManager:
         if not self.runtime.is_main:
             return
         try:
-            failures = [report[2] for report in reports if report[2]]
+            failures = [report[1] for report in reports if report[1]]
             if failures:
                 self.storage.abandon(temporary)
                 raise CheckpointError(f"{failures[0]}. The previous checkpoints are untouched")
-            files = {shards.shard_file(r): report[0] for r, report in enumerate(reports) if report[0] is not None}
-            raw["shards"] = {"files": {shards.shard_file(r): report[1] for r, report in enumerate(reports)
-                                       if report[0] is not None}}
-            self._write(name, raw, manifest_extra, started, temporary, files)
+            files = {filename: entry for report in reports for filename, entry in report[0].files.items()}
+            items = {filename: offsets for report in reports for filename, offsets in report[0].items.items()}
+            checksums = json.dumps(items, sort_keys=True).encode()
+            self._write(name, raw, manifest_extra, started, temporary, files,
+                        {dcp_files.ITEMS: lambda handle: handle.write(checksums)})
         except CheckpointError as problem:
             self._writer_error = str(problem)
         except Exception as problem:  # noqa: BLE001 - reported to every rank by the next save or finish
             self._writer_error = f"checkpoint write failed: {problem!r}"
+
+    def _shard_failure(self, rank: int, error: BaseException, temporary: str) -> str:
+        if isinstance(error, OSError):
+            return (f"rank {rank} could not write its shards into {self.storage.describe(temporary)} "
+                    f"({self.storage.reason(error)}); sharded checkpoints need a --checkpoint-dir that every rank "
+                    f"reaches (a shared file system or an object store)")
+        return f"rank {rank} could not write its shards: {' '.join(repr(error).split())[:300]}"
 
     def _take(self, state: Any, path: str, deferrable: Callable[[str], bool]) -> tuple[Any, list[Snapshot]]:
         """Under --async-checkpoint, the state as host copies (trainer.checkpoint.snapshot) and the copies to
@@ -505,7 +371,8 @@ class CheckpointManager:
         return error, False
 
     def _write(self, name: str, state: dict[str, Any], manifest_extra: dict[str, Any], started: float | None = None,
-               temporary: str | None = None, shard_files: dict[str, dict[str, Any]] | None = None) -> None:
+               temporary: str | None = None, shard_files: dict[str, dict[str, Any]] | None = None,
+               more_files: dict[str, FileWriter] | None = None) -> None:
         """Write the state file and the manifest, commit, prune. A sharded save gives the temporary folder its
         ranks wrote their ``shard_files`` into (each one's size and crc32), and when it started."""
         started = time.perf_counter() if started is None else started
@@ -519,7 +386,7 @@ class CheckpointManager:
             if reason:
                 raise CheckpointError(f"checkpoint {self.storage.describe(name)} was not committed: {reason}")
             written.update(files)
-            manifest = {"format": SHARDED_FORMAT if shard_files else FORMAT, **manifest_extra,
+            manifest = {"format": DCP_FORMAT if shard_files else FORMAT, **manifest_extra,
                         "created_unix": time.time(), "files": files}
             return json.dumps(manifest, indent=2).encode()
 
@@ -532,10 +399,12 @@ class CheckpointManager:
         # torch.save streams straight into the temporary file (through the checksum): no serialised copy
         # of the whole state in memory, no second pass to hash it.
         self.storage.commit(temporary or self.storage.begin(name), name,
-                            {STATE_FILE: lambda handle: save_state(state, handle)}, shard_files, make_manifest)
+                            {STATE_FILE: lambda handle: save_state(state, handle), **(more_files or {})}, shard_files,
+                            make_manifest)
         self.last_timing.write_s = time.perf_counter() - started
         self.last_timing.bytes = sum(int(entry["bytes"]) for entry in written.values())
-        sharded = f" in {len(written)} files from {len(shard_files)} rank(s)" if shard_files else ""
+        sharded = (f" in {len(written)} files from {self.runtime.identity.world_size} rank(s)" if shard_files
+                   else "")
         self.log.info("checkpoint %s written (%.1f MB%s in %.2fs)", self.storage.describe(name),
                       self.last_timing.bytes / 1e6, sharded, self.last_timing.write_s)
         self.last_committed = name

@@ -8,8 +8,9 @@ and an ``upgrade`` from what older checkpoints hold whenever a part's layout cha
 
 Kinds: a ``REPLICATED`` part is the same on every rank and rank 0's is written; a ``PER_RANK`` part (the
 random generators) is captured on every rank and saved as a list in rank order. A replicated part may hold
-sharded tensors (DTensors, under --sync fsdp/hsdp): the manager writes each rank's rows of them to that rank's
-own file, and its restore fits them to what this run holds (trainer.checkpoint.shards.fit).
+sharded tensors (DTensors, under --sync fsdp/hsdp): every rank's rows of them are written by DCP
+(trainer.checkpoint.dcp_files), and a part's ``template`` says what this run holds in its place, so that the
+restore is given its tensors as this run holds them (trainer.checkpoint.shards.fit), whatever wrote them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from trainer.checkpoint.schema import HEADER, SHARDED_HEADER, TaskRecord, TrainingState
+from trainer.checkpoint.shards import fit, markers
 from trainer.errors import CheckpointError
 from trainer.position import TrainingPosition
 
@@ -65,6 +67,9 @@ class StatePart:
     # Which paths inside the value (``/<key>/...``) only the optimizer step changes: an asynchronous save copies
     # them while the next step computes its gradients (trainer.checkpoint.manager).
     changed_by_step_only: Callable[[str], bool] = _nothing_deferred
+    # What this run holds in the part's place, for a saved value (the model's state_dict: its DTensors say which
+    # rows this rank takes of each tensor). None: the saved value is restored as it is, its tensors whole.
+    template: Callable[[Any], Any] | None = None
 
 
 class StateParts:
@@ -98,12 +103,20 @@ class StateParts:
         """Every part from the state: upgraded from an older version where its part knows how; a part the
         checkpoint lacks, or holds in a version this trainer cannot read, is refused in one line (never
         skipped: a skipped checkpoint would make --resume latest start afresh)."""
+        restored: list[tuple[StatePart, Any, Any]] = []
         for part in self:
             if part.restore is None:
                 continue
             value, saved_version = state.parts.get(part.name), state.part_version(part.name)
             if saved_version != part.version:
                 value = self._upgraded(part, saved_version, value, context.location)
+            restored.append((part, value, None if part.template is None else part.template(value)))
+        source = context.shards
+        if source is not None:  # every part's sharded tensors read at once (one collective pass under DCP)
+            source.prepare([pair for _, value, template in restored for pair in markers(value, template)])
+        for part, value, template in restored:
+            if source is not None or template is not None:
+                value = fit(value, template, source)
             part.restore(value, context)
 
     @staticmethod

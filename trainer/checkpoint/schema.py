@@ -11,7 +11,11 @@ Format history (the manifest's "format"; each part's layout has its own version,
      "part_versions" too (absent: every part at version 1)
   4  format 3 with sharded tensors (--sync fsdp/hsdp): markers in the parts, each rank's rows in its own
      ``shards-RRRRR.pt``, and a "shards" entry saying which file holds which rows (trainer.checkpoint.shards).
-     Unsharded checkpoints are still written in format 3
+     Unsharded checkpoints are still written in format 3. Read, no longer written
+  5  format 3 with its tensors in torch.distributed.checkpoint's files (--sync fsdp/hsdp): every tensor of the
+     replicated parts replaced by a marker naming its DCP key, the files DCP's own (``__R_0.distcp``,
+     ``.metadata``) and ``items.json`` (every item's CRC-32) beside them (trainer.checkpoint.dcp_files); the
+     optimizer part keyed by parameter name (its version 2)
 Older formats are migrated when read; a format this trainer does not know is refused, never skipped.
 """
 
@@ -30,8 +34,9 @@ import trainer
 from trainer.position import TrainingPosition
 
 FORMAT = 3
-SHARDED_FORMAT = 4
-READABLE = (2, 3, 4)
+SHARDED_FORMAT = 4  # read, no longer written
+DCP_FORMAT = 5
+READABLE = (2, 3, 4, 5)
 
 
 # What the manifest and the resume checks read before any part is restored.

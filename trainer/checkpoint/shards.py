@@ -1,36 +1,31 @@
-"""Sharded tensors in a checkpoint: each rank writes the rows it holds, and a resume reads the rows it needs.
+"""Sharded tensors in a checkpoint's parts: markers in place of the tensors, and fitting what was saved to what
+this run holds.
 
-Under --sync fsdp/hsdp the model's parameters and the optimizer's state are DTensors sharded on their first
-dimension. A save replaces each by a marker in the parts (``{"__shard__": path, "shape", "dtype"}``) and each
-rank writes its rows of them to its own file, ``shards-RRRRR.pt`` (plain tensors: loadable with
-``weights_only=True``); the checkpoint's ``shards`` entry says which rows of which tensor each file holds. One
-replica writes under HSDP (its copies elsewhere are the same).
+A sharded checkpoint's state file holds, in place of each tensor, a marker ``{"__shard__": key, "shape",
+"dtype"}``; the tensors lie elsewhere: in format 5, DCP's files (trainer.checkpoint.dcp_files, the key a DCP key);
+in format 4, the last release's, each rank's rows in its own ``shards-RRRRR.pt`` with a ``shards`` table saying
+which file holds which rows (``ShardSource`` here reads them; format 4 is read, no longer written).
 
-A resume fits what was saved to what this run holds: a sharded tensor gets exactly its rows, read from the
-files that hold them, whatever the world size that wrote them; a plain one gets the whole tensor. So a
-checkpoint written at 2 ranks loads at 3 or at 1, and a checkpoint of a DDP run (whole tensors in the state
-file) loads into a sharded run and back: the parts have the same layout, only where the tensors lie differs.
+A resume fits what was saved to what this run holds: a sharded tensor gets exactly its rows, whatever world size
+wrote them; a plain one gets the whole tensor. So a checkpoint written at 2 ranks loads at 3 or at 1, and a
+checkpoint of a DDP run (whole tensors in the state file) loads into a sharded run and back: the parts have the
+same layout, only where the tensors lie differs.
 """
 
 from __future__ import annotations
 
 import io
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from trainer.sharding import local_rows
 
-__all__ = ["ShardSource", "SplitState", "fit", "has_sharded", "shard_file", "split"]
+__all__ = ["MARK", "ShardSource", "fit", "fit_all", "has_sharded", "is_marker", "markers"]
 
 MARK = "__shard__"
-
-
-def shard_file(rank: int) -> str:
-    return f"shards-{rank:05d}.pt"
 
 
 def has_sharded(value: Any) -> bool:
@@ -41,36 +36,6 @@ def has_sharded(value: Any) -> bool:
     if isinstance(value, list | tuple):
         return any(has_sharded(item) for item in value)
     return False
-
-
-@dataclass
-class SplitState:
-    """A rank's parts with their sharded tensors taken out."""
-
-    plain: Any  # the parts, each sharded tensor replaced by its marker
-    local: dict[str, torch.Tensor] = field(default_factory=dict)  # the rows this rank writes, by path
-    rows: dict[str, list[int]] = field(default_factory=dict)  # path -> [first row, row count]
-
-
-def split(value: Any, path: str = "", into: SplitState | None = None) -> SplitState:
-    state = into or SplitState(None)
-    if isinstance(value, DTensor):
-        first, count = local_rows(value)
-        # Under HSDP the replicas hold the same rows: the first replica writes them.
-        coordinate = value.device_mesh.get_coordinate() or []
-        if all(index == 0 for index, placement in zip(coordinate, value.placements, strict=True)
-               if isinstance(placement, Replicate)):
-            state.local[path] = value.to_local().detach()
-            state.rows[path] = [first, count]
-        plain: Any = {MARK: path, "shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
-    elif isinstance(value, dict):
-        plain = type(value)((key, split(item, f"{path}/{key}", state).plain) for key, item in value.items())
-    elif isinstance(value, list | tuple):
-        plain = type(value)(split(item, f"{path}/{index}", state).plain for index, item in enumerate(value))
-    else:
-        plain = value
-    state.plain = plain
-    return state
 
 
 def is_marker(value: Any) -> bool:
@@ -104,6 +69,12 @@ class ShardSource:
                              f"{path} (a shard file is missing from its layout)")
         return result
 
+    def prepare(self, wanted: Any) -> None:
+        """Nothing to read ahead: each file is read when its rows are first asked for."""
+
+    def whole(self, marker: dict[str, Any]) -> torch.Tensor:
+        return self.rows(marker, 0, marker["shape"][0])
+
     def _file(self, filename: str) -> dict[str, torch.Tensor]:
         if filename not in self._loaded:
             self._loaded[filename] = torch.load(io.BytesIO(self._read(filename)), map_location="cpu",
@@ -124,7 +95,7 @@ def fit(saved: Any, template: Any, source: ShardSource | None) -> Any:
         if isinstance(template, DTensor):
             first, count = local_rows(template)
             return _as_shard(source.rows(saved, first, count), template)
-        return source.rows(saved, 0, saved["shape"][0])
+        return source.whole(saved)
     if isinstance(saved, torch.Tensor) and isinstance(template, DTensor):
         if tuple(saved.shape) != tuple(template.shape):
             raise ValueError(f"a tensor of shape {list(saved.shape)} where the model has {list(template.shape)}")
@@ -137,6 +108,27 @@ def fit(saved: Any, template: Any, source: ShardSource | None) -> Any:
         inner = template if isinstance(template, list | tuple) and len(template) == len(saved) else [None] * len(saved)
         return type(saved)(fit(value, other, source) for value, other in zip(saved, inner, strict=True))
     return saved
+
+
+def fit_all(saved: Any, template: Any, source: Any) -> Any:
+    """``fit`` for one value alone: its source first reads what it holds (trainer.checkpoint.dcp_files reads every
+    tensor in one collective pass)."""
+    if source is not None:
+        source.prepare(markers(saved, template))
+    return fit(saved, template, source)
+
+
+def markers(saved: Any, template: Any) -> list[tuple[dict[str, Any], Any]]:
+    """Every marker in ``saved``, each with what this run holds at its place (None where it holds nothing)."""
+    if is_marker(saved):
+        return [(saved, template)]
+    if isinstance(saved, dict):
+        inner = template if isinstance(template, dict) else {}
+        return [pair for key, value in saved.items() for pair in markers(value, inner.get(key))]
+    if isinstance(saved, list | tuple):
+        inner = template if isinstance(template, list | tuple) and len(template) == len(saved) else [None] * len(saved)
+        return [pair for value, other in zip(saved, inner, strict=True) for pair in markers(value, other)]
+    return []
 
 
 def _as_shard(rows: torch.Tensor, template: DTensor) -> DTensor:

@@ -169,6 +169,10 @@ class CheckpointStorage(ABC):
     def read(self, name: str, filename: str) -> bytes: ...
 
     @abstractmethod
+    def read_range(self, name: str, filename: str, offset: int, length: int) -> bytes:
+        """``length`` bytes of the file from ``offset`` (fewer only where the file ends sooner)."""
+
+    @abstractmethod
     def size(self, name: str, filename: str) -> int:
         """The file's size in bytes, known before reading it; NotAFile if it is no plain file."""
 

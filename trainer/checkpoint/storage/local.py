@@ -69,6 +69,21 @@ class LocalStorage(CheckpointStorage):
         with open(self.root / name / filename, "rb", opener=_no_follow) as handle:
             return handle.read()
 
+    def read_range(self, name: str, filename: str, offset: int, length: int) -> bytes:
+        self.size(name, filename)
+        descriptor = _no_follow(str(self.root / name / filename), os.O_RDONLY)
+        try:
+            pieces, done = [], 0
+            while done < length:  # pread may return less than asked (a signal, a network file system)
+                piece = os.pread(descriptor, length - done, offset + done)
+                if not piece:
+                    break
+                pieces.append(piece)
+                done += len(piece)
+            return b"".join(pieces)
+        finally:
+            os.close(descriptor)
+
     def size(self, name: str, filename: str) -> int:
         info = os.lstat(self.root / name / filename)
         if not stat.S_ISREG(info.st_mode):

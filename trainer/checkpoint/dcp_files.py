@@ -1,0 +1,483 @@
+"""A sharded checkpoint's tensors in torch.distributed.checkpoint's (DCP's) layout, written and read through the
+checkpoint's storage backend, with this trainer's guarantees around DCP.
+
+The files are DCP's own: one ``__R_0.distcp`` per writing rank (each tensor chunk a ``torch.save`` at an offset)
+and ``.metadata`` (which chunk of which tensor lies where), so a plain ``dcp.load`` reads the checkpoint folder, as
+do the tools built on DCP (TorchTitan's, torchtune's, ``dcp_to_torch_save``). DCP plans the save: a chunk held by
+several ranks (an HSDP replica's, a plain tensor every rank holds) is written once, by the rank with the least to
+write so far, so the replicas share the writing. Keys are names: ``model.<parameter>``,
+``optimizer.state.<parameter>.exp_avg`` (DCP's flattening of ``{"model": ..., "optimizer": ...}``); what is not
+a tensor stays in the checkpoint's own state file.
+
+Around DCP:
+- every item (one tensor chunk) is checksummed as it is written; the CRC-32s go to ``items.json`` and each rank
+  checks every byte range it reads against them, so a damaged file is found by the rank that reads it and no rank
+  reads the whole checkpoint to check it;
+- ``.metadata`` is a pickle, and torch's own reader loads it with ``pickle.load``: a DCP folder can run code when
+  loaded. It is read here by an unpickler that admits DCP's metadata types only, and refuses anything else in one
+  line; tensors load with ``weights_only=True``, and so do the non-tensor items a foreign checkpoint may hold;
+- a file the metadata names outside the folder is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import pickle
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.tensor import DTensor
+
+from trainer.checkpoint.reading import DCP_METADATA, InvalidCheckpoint, checked_read, is_plain_name, load_failure
+from trainer.checkpoint.shards import MARK
+from trainer.checkpoint.storage import CheckpointStorage, crc32_hex
+from trainer.sharding import local_rows
+
+__all__ = ["ITEMS", "DcpSource", "RankFailed", "Shard", "data_file", "read_metadata", "save", "split"]
+
+ITEMS = "items.json"  # every item's CRC-32, by file and offset
+
+
+# What DCP's metadata pickles: its own dataclasses, and the torch types they hold. Nothing here runs code of the
+# file's choosing: the classes are rebuilt from their fields, _get_layout and the memory-format enum look a name up.
+_METADATA_TYPES = {
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("torch.serialization", "_MEM_FORMAT_ENCODING"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("collections", "OrderedDict"),
+}
+
+
+def data_file(rank: int) -> str:
+    """The file a rank writes its items to (DCP's FileSystemWriter names it alike)."""
+    return f"__{rank}_0.distcp"
+
+
+def key_of(path: str) -> str:
+    """A tensor's DCP key from its path in the parts: ``/optimizer/state/fc.weight/exp_avg`` ->
+    ``optimizer.state.fc.weight.exp_avg``, as DCP flattens the nested dict."""
+    return path.strip("/").replace("/", ".")
+
+
+# -- saving ---------------------------------------------------------------------------------------------------
+@dataclass
+class Shard:
+    """This rank's rows of a sharded tensor, apart from the DTensor (under --async-checkpoint, a host copy of them):
+    what DCP needs to plan the save, the chunk and where it lies in the whole tensor."""
+
+    local: torch.Tensor
+    size: torch.Size  # the whole tensor's
+    offsets: torch.Size  # of the chunk in it
+
+    def __create_write_items__(self, fqn: str, _: Any) -> list[WriteItem]:
+        chunk = ChunkStorageMetadata(offsets=self.offsets, sizes=torch.Size(self.local.shape))
+        return [WriteItem(index=MetadataIndex(fqn, self.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=chunk, properties=_properties(self.local),
+                                                      size=self.size))]
+
+
+def _properties(tensor: torch.Tensor) -> TensorProperties:
+    # Not pinned, whatever the host copy is: the metadata describes the tensor, not this rank's staging buffer.
+    return TensorProperties(dtype=tensor.dtype, requires_grad=False, pin_memory=False)
+
+
+@dataclass
+class SplitState:
+    """A rank's parts with their tensors taken out for DCP."""
+
+    plain: dict[str, Any]  # the parts, each tensor of a replicated part replaced by its marker
+    tensors: dict[str, torch.Tensor]  # DCP key -> this rank's tensor (a sharded one's local rows)
+    layout: dict[str, tuple[torch.Size, torch.Size]]  # a sharded tensor's key -> (whole size, its chunk's offsets)
+
+
+def split(parts: dict[str, Any], per_rank: Iterable[str]) -> SplitState:
+    """Every tensor of the replicated parts, sharded or not, goes to DCP; per-rank parts (the random generators)
+    stay whole in the state file."""
+    state = SplitState({}, {}, {})
+    kept = set(per_rank)
+
+    def walk(value: Any, path: str) -> Any:
+        if isinstance(value, DTensor):
+            key = key_of(path)
+            first, _ = local_rows(value)
+            state.tensors[key] = value.to_local().detach()
+            state.layout[key] = (torch.Size(value.shape), torch.Size([first] + [0] * (value.dim() - 1)))
+            return _marker(key, value)
+        if isinstance(value, torch.Tensor):
+            key = key_of(path)
+            state.tensors[key] = value.detach()
+            return _marker(key, value)
+        if isinstance(value, dict):
+            return type(value)((name, walk(item, f"{path}/{name}")) for name, item in value.items())
+        if isinstance(value, list | tuple):
+            return type(value)(walk(item, f"{path}/{index}") for index, item in enumerate(value))
+        return value
+
+    state.plain = {name: value if name in kept else walk(value, f"/{name}") for name, value in parts.items()}
+    return state
+
+
+def _marker(key: str, tensor: torch.Tensor) -> dict[str, Any]:
+    return {MARK: key, "shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch.")}
+
+
+@dataclass
+class Written:
+    """What one rank's part of a save wrote: its files' sizes and CRC-32s, and its items' CRC-32s by offset."""
+
+    files: dict[str, dict[str, Any]]
+    items: dict[str, dict[str, str]]
+
+
+def save(tensors: dict[str, torch.Tensor], layout: dict[str, tuple[torch.Size, torch.Size]],
+         storage: CheckpointStorage, folder: str, rank: int, group: Any) -> Written:
+    """Write this rank's share of the tensors into ``folder`` (a DCP save: collective over ``group``, or alone
+    where there is no process group); the rank that coordinates writes ``.metadata`` too."""
+    state_dict: dict[str, Any] = {key: Shard(tensor, *layout[key]) if key in layout else tensor
+                                  for key, tensor in tensors.items()}
+    writer = _Writer(storage, folder, rank)
+    alone = not dist.is_initialized()
+    try:
+        with _quiet_when(alone):
+            dcp.save(state_dict, storage_writer=writer, planner=_SavePlanner(),
+                     process_group=None if alone else group, no_dist=alone)
+    except CheckpointException as failed:  # a BaseException: an `except Exception` would let it end the thread
+        raise RankFailed(*first_failure(failed, rank)) from None
+    return Written(writer.files, {data_file(rank): writer.items} if writer.items else {})
+
+
+class _SavePlanner(DefaultSavePlanner):
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False)  # the keys are flat already, as DCP would have made them
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        value = self.state_dict[index.fqn]
+        return value.local if isinstance(value, Shard) else super().lookup_object(index)
+
+
+class _Writer(StorageWriter):
+    """DCP's file layout written through a storage backend: one file per rank, each item a ``torch.save`` at its
+    offset (what DCP's FileSystemReader reads), each checksummed on its way out."""
+
+    def __init__(self, storage: CheckpointStorage, folder: str, rank: int) -> None:
+        super().__init__()
+        self.storage, self.folder, self.rank = storage, folder, rank
+        self.files: dict[str, dict[str, Any]] = {}
+        self.items: dict[str, str] = {}  # offset -> CRC-32 of the item there
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        self.files, self.items = {}, {}
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future[list[WriteResult]]:
+        filename, results = data_file(self.rank), []
+
+        def write(handle: Any) -> None:
+            offset = 0
+            for item in plan.items:
+                payload = _serialised(planner.resolve_data(item))
+                handle.write(payload)
+                self.items[str(offset)] = crc32_hex(payload)
+                results.append(WriteResult(index=item.index, size_in_bytes=len(payload),
+                                           storage_data=_StorageInfo(filename, offset, len(payload))))
+                offset += len(payload)
+
+        if plan.items:
+            self.files[filename] = self.storage.write_file(self.folder, filename, write)
+        done: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
+        done.set_result(results)
+        return done
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """On the coordinating rank, once every rank has written: the metadata, naming every item's place."""
+        metadata.version = "1.0.0"  # DCP's own, for its readers
+        metadata.storage_data = {result.index: result.storage_data for written in results for result in written}
+        metadata.storage_meta = None
+        self.files[DCP_METADATA] = self.storage.write_file(self.folder, DCP_METADATA,
+                                                           lambda handle: pickle.dump(metadata, handle))
+
+    def storage_meta(self) -> None:
+        return None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False
+
+
+@contextlib.contextmanager
+def _quiet_when(alone: bool) -> Iterator[None]:
+    """DCP warns that it assumes one process when there is no process group: here that is the intent (ddp-export,
+    a one-process run). The warnings filter is the process's: touched only then."""
+    if not alone:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _serialised(data: torch.Tensor | io.BytesIO) -> memoryview | bytes:
+    if isinstance(data, io.BytesIO):
+        return data.getbuffer()
+    tensor = data.detach().cpu()
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        tensor = tensor.clone()  # a view: torch.save would write the whole storage behind it
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    return buffer.getbuffer()
+
+
+# -- loading --------------------------------------------------------------------------------------------------
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_TYPES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise InvalidCheckpoint(f"{DCP_METADATA} holds {module}.{name}, which is none of DCP's metadata types: "
+                                f"refused (a pickle can run code when loaded)")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise InvalidCheckpoint(f"{DCP_METADATA} holds a persistent reference, which DCP's metadata never does")
+
+
+def read_metadata(data: bytes) -> Metadata:
+    """DCP's metadata from its bytes, admitting its own types only."""
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except InvalidCheckpoint:
+        raise
+    except Exception as error:  # noqa: BLE001 - any unpickling failure means the same: unusable
+        raise InvalidCheckpoint(f"{DCP_METADATA} does not load ({load_failure(error)})") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise InvalidCheckpoint(f"{DCP_METADATA} holds a {type(metadata).__name__}, not DCP's metadata")
+    for info in metadata.storage_data.values():
+        if not isinstance(info, _StorageInfo) or not is_plain_name(str(info.relative_path)):
+            raise InvalidCheckpoint(f"{DCP_METADATA} places an item in {getattr(info, 'relative_path', info)!r}, "
+                                    f"not a file of the checkpoint folder")
+        if info.transform_descriptors:
+            raise InvalidCheckpoint(f"{DCP_METADATA}: items written through DCP extensions "
+                                    f"({', '.join(info.transform_descriptors)}), which this trainer does not read")
+    return metadata
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        # DCP's own planner unpickles these with weights_only=False: code could run. Plain types only here.
+        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+
+class _Reader(StorageReader):
+    """Reads the byte ranges this rank's plan needs, each checked against its CRC-32 (``items``: None for a
+    folder another tool wrote, which has none: its sizes are still checked)."""
+
+    def __init__(self, storage: CheckpointStorage, folder: str, manifest: dict[str, Any] | None,
+                 items: dict[str, dict[str, str]] | None) -> None:
+        super().__init__()
+        self.storage, self.folder, self.manifest, self.items = storage, folder, manifest, items
+        self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
+        self.bytes_read = 0
+        # Read here, before DCP asks: its own failure message would bury this one in an assertion's text.
+        self.metadata = read_metadata(checked_read(storage, folder, DCP_METADATA, manifest) if manifest is not None
+                                      else storage.read(folder, DCP_METADATA))
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        self.storage_data = {}
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self.metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        for item in sorted(plan.items, key=lambda request: self._where(request)):
+            data = self._checked(self.storage_data[item.storage_index])
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(data))
+                continue
+            try:
+                tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            except Exception as error:  # noqa: BLE001 - a foreign file's item: unusable, said in one line
+                raise InvalidCheckpoint(f"an item of {item.storage_index.fqn} does not load with weights_only=True "
+                                        f"({load_failure(error)})") from None
+            if not isinstance(tensor, torch.Tensor):
+                raise InvalidCheckpoint(f"the item of {item.storage_index.fqn} holds a {type(tensor).__name__}")
+            tensor = _narrowed(tensor, item.storage_offsets, item.lengths)
+            target = planner.resolve_tensor(item).detach()
+            if target.size() != tensor.size():
+                raise InvalidCheckpoint(f"an item of {item.storage_index.fqn} has shape {list(tensor.size())} where "
+                                        f"its metadata says {list(target.size())}")
+            target.copy_(tensor)
+            planner.commit_tensor(item, target)
+        done: torch.futures.Future[None] = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+    def _where(self, request: ReadItem) -> tuple[str, int]:
+        info = self.storage_data[request.storage_index]
+        return str(info.relative_path), int(info.offset)
+
+    def _checked(self, info: _StorageInfo) -> bytes:
+        filename, offset, length = str(info.relative_path), int(info.offset), int(info.length)
+        expected = None
+        if self.items is not None:
+            expected = self.items.get(filename, {}).get(str(offset))
+            if expected is None:
+                raise InvalidCheckpoint(f"{ITEMS} has no checksum for the item at byte {offset} of {filename}")
+        try:
+            data = self.storage.read_range(self.folder, filename, offset, length)
+        except FileNotFoundError:
+            raise InvalidCheckpoint(f"{filename} is missing (its metadata names it)") from None
+        except OSError as error:
+            raise InvalidCheckpoint(f"{filename} unreadable ({error.strerror or error})") from None
+        if len(data) != length:
+            raise InvalidCheckpoint(f"{filename} ends before byte {offset + length} (truncated)")
+        if expected is not None and crc32_hex(data) != expected:
+            raise InvalidCheckpoint(f"{filename} does not match its item checksum at byte {offset} (corrupted)")
+        self.bytes_read += length
+        return data
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False
+
+
+class DcpSource:
+    """The tensors of a DCP-sharded checkpoint (format 5), loaded in one collective read (``prepare``) into
+    what this run holds: a sharded tensor gets this rank's rows of it, read from the chunks that hold them; a plain
+    one the whole tensor. ``fit`` (trainer.checkpoint.shards) then takes them by their markers."""
+
+    def __init__(self, storage: CheckpointStorage, folder: str, manifest: dict[str, Any] | None, group: Any) -> None:
+        self.storage, self.folder, self.manifest, self.group = storage, folder, manifest, group
+        self._loaded: dict[str, torch.Tensor] = {}
+        self.bytes_read = 0
+
+    def prepare(self, wanted: Iterable[tuple[dict[str, Any], Any]]) -> None:
+        """Read every marked tensor at once: ``wanted`` pairs each marker with this run's tensor at its place
+        (a DTensor: only its rows are read) or None (the whole tensor)."""
+        targets: dict[str, torch.Tensor] = {}
+        for marker, template in wanted:
+            dtype = getattr(torch, str(marker["dtype"]), None)
+            if not isinstance(dtype, torch.dtype):
+                raise InvalidCheckpoint(f"a tensor of unknown type {marker['dtype']!r} ({marker[MARK]})")
+            shape = [int(size) for size in marker["shape"]]
+            if isinstance(template, DTensor) and list(template.shape) == shape:
+                targets[marker[MARK]] = torch.empty_like(template, dtype=dtype)
+            else:
+                targets[marker[MARK]] = torch.empty(shape, dtype=dtype)
+        if not targets:
+            return
+        items = None
+        if self.manifest is not None:
+            try:
+                items = json.loads(checked_read(self.storage, self.folder, ITEMS, self.manifest))
+            except ValueError as error:
+                raise InvalidCheckpoint(f"{ITEMS} is not valid JSON ({error})") from None
+        reader = _Reader(self.storage, self.folder, self.manifest, items)
+        alone = not dist.is_initialized()
+        try:
+            with _quiet_when(alone):
+                dcp.load(targets, storage_reader=reader, planner=_LoadPlanner(),
+                         process_group=None if alone else self.group, no_dist=alone)
+        except CheckpointException as failed:
+            raise InvalidCheckpoint(failure_line(failed)) from None
+        except InvalidCheckpoint:
+            raise
+        self.bytes_read = reader.bytes_read
+        self._loaded = targets
+
+    def rows(self, marker: dict[str, Any], first: int, count: int) -> torch.Tensor:
+        value = self._loaded[marker[MARK]]
+        if isinstance(value, DTensor):
+            return value.to_local()  # exactly this rank's rows: fit asks for them
+        return value[first:first + count]
+
+    def whole(self, marker: dict[str, Any]) -> torch.Tensor:
+        value = self._loaded[marker[MARK]]
+        return value.full_tensor() if isinstance(value, DTensor) else value
+
+    def close(self) -> None:
+        self._loaded.clear()
+
+
+def _narrowed(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
+    """The part of a saved chunk that a read asks for (the overlap of the chunk and this rank's rows)."""
+    for dim, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
+        if tensor.size(dim) != length:
+            tensor = tensor.narrow(dim, int(offset), int(length))
+    return tensor
+
+
+class RankFailed(Exception):
+    """A DCP save that failed on some rank, as every rank learns it: which rank, and its error."""
+
+    def __init__(self, rank: int, error: BaseException) -> None:
+        super().__init__(rank, error)
+        self.rank, self.error = rank, error
+
+
+def first_failure(failed: CheckpointException, rank: int) -> tuple[int, BaseException]:
+    """DCP reports every rank's failure at once, each with its traceback: the lowest rank's error is the one to
+    say (``rank``'s own when the report names none)."""
+    failures = failed.failures or {}
+    if not failures:
+        return rank, failed
+    lowest = min(failures)
+    error, _ = failures[lowest]
+    return lowest, error
+
+
+def failure_line(failed: CheckpointException) -> str:
+    """A failed DCP load in one line: the reader's own message, or the first failing rank's error."""
+    rank, error = first_failure(failed, 0)
+    if isinstance(error, InvalidCheckpoint):
+        return str(error)
+    return f"rank {rank} could not read its part of the checkpoint ({load_failure(error)})"  # type: ignore[arg-type]

@@ -1,0 +1,112 @@
+"""Reading a checkpoint's files as its manifest describes them: the manifest itself, and any file checked against
+the size and CRC-32 the manifest promises. What is wrong is said in one line (InvalidCheckpoint: the folder is
+skipped, an older one tried; UnknownFormat: refused, never skipped)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from trainer.checkpoint.schema import READABLE
+from trainer.checkpoint.storage import MANIFEST, CheckpointStorage, NotAFile, crc32_hex
+
+STATE_FILE = "state.pt"
+# Ours are well under 4 KB; a larger one is not read (it could be anything, of any size).
+MAX_MANIFEST_BYTES = 1 << 20
+# torch.distributed.checkpoint's own name for its metadata file: the one file name with a dot that a manifest
+# may list (any other is refused as something that is no part of a checkpoint).
+DCP_METADATA = ".metadata"
+
+
+class InvalidCheckpoint(Exception):
+    """Why one checkpoint folder cannot be used (it is skipped, the next older one is tried)."""
+
+
+class UnknownFormat(Exception):
+    """A checkpoint in a format this trainer cannot read: refused, never skipped, so that a format change
+    cannot make ``--resume latest`` quietly start afresh and prune the checkpoints it could not read."""
+
+
+def checked_read(storage: CheckpointStorage, name: str, filename: str, manifest: dict[str, Any]) -> bytes:
+    """One of the checkpoint's files, its size and checksum those the manifest promises."""
+    try:
+        expected = manifest["files"][filename]
+        size, checksum = int(expected["bytes"]), str(expected["crc32"])
+    except (KeyError, TypeError, ValueError):
+        raise InvalidCheckpoint(f"{MANIFEST} does not describe {filename}") from None
+    try:
+        # The size first: a file that is not what the manifest promises is not read at all.
+        check_size(storage, name, filename, size)
+        data = storage.read(name, filename)
+    except NotAFile as problem:
+        raise InvalidCheckpoint(str(problem)) from None
+    except OSError as error:
+        raise InvalidCheckpoint(f"{filename} unreadable ({error.strerror or error})") from None
+    if len(data) != size:
+        raise InvalidCheckpoint(f"{filename} has {len(data)} bytes, the manifest says {size}")
+    if crc32_hex(data) != checksum:
+        raise InvalidCheckpoint(f"{filename} does not match the manifest's crc32 checksum (corrupted)")
+    return data
+
+
+def check_size(storage: CheckpointStorage, name: str, filename: str, size: int) -> None:
+    """That the file is one of the folder's own, there, with ``size`` bytes (what a resume checks before it reads
+    the files each rank reads and checks itself)."""
+    if not is_plain_name(filename):
+        raise InvalidCheckpoint(f"{MANIFEST} names a file outside the checkpoint folder ({filename!r})")
+    try:
+        found = storage.size(name, filename)
+    except NotAFile as problem:
+        raise InvalidCheckpoint(str(problem)) from None
+    except FileNotFoundError:
+        raise InvalidCheckpoint(f"{filename} is missing (the manifest lists it)") from None
+    except OSError as error:
+        raise InvalidCheckpoint(f"{filename} unreadable ({error.strerror or error})") from None
+    if found != size:
+        raise InvalidCheckpoint(f"{filename} has {found} bytes, the manifest says {size}")
+
+
+def is_plain_name(filename: str) -> bool:
+    """A file directly in the checkpoint folder (no path, no hidden file but DCP's metadata)."""
+    return bool(filename) and "/" not in filename and "\\" not in filename and (
+        not filename.startswith(".") or filename == DCP_METADATA)
+
+
+def read_manifest(storage: CheckpointStorage, name: str) -> tuple[dict[str, Any], int]:
+    """The manifest and its format; its entry for the state file checked here, where its faults have their
+    messages (the file itself is read by _checked_read)."""
+    try:
+        if storage.size(name, MANIFEST) > MAX_MANIFEST_BYTES:
+            raise InvalidCheckpoint(f"{MANIFEST} is larger than any manifest this trainer writes "
+                                    f"({MAX_MANIFEST_BYTES} bytes at most)")
+        manifest = json.loads(storage.read(name, MANIFEST))
+        expected = manifest["files"][STATE_FILE]
+        int(expected["bytes"]), str(expected["crc32"])  # both present, the size a number: or the errors below
+        version = manifest.get("format")
+    except NotAFile as problem:
+        raise InvalidCheckpoint(str(problem)) from None
+    except OSError as error:
+        raise InvalidCheckpoint(f"{MANIFEST} unreadable ({error.strerror or error})") from None
+    except ValueError as error:  # JSONDecodeError and UnicodeDecodeError included
+        raise InvalidCheckpoint(f"{MANIFEST} is not valid JSON ({error})") from None
+    except KeyError as error:
+        raise InvalidCheckpoint(f"{MANIFEST} has no {error} entry") from None
+    except (TypeError, AttributeError):
+        raise InvalidCheckpoint(f"{MANIFEST} does not have the layout this trainer writes") from None
+    if version not in READABLE:
+        newer = isinstance(version, int) and version > max(READABLE)
+        raise UnknownFormat(
+            f"{storage.describe(name)} is in checkpoint format {version!r}, which this trainer cannot read (it reads "
+            f"{', '.join(map(str, READABLE))})" + ("; it was written by a newer ddp-deploy: upgrade this one" if newer
+                                                   else "") + "; or pass --resume none or another --checkpoint-dir to "
+            "start afresh (the checkpoints there are kept)")
+    return manifest, version
+
+
+def load_failure(error: Exception) -> str:
+    """The one informative sentence of torch.load's error (its weights_only message is a page long)."""
+    text = str(error)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    first = (text.strip().splitlines() or [type(error).__name__])[0]
+    return first.split(". ", 1)[0].rstrip(".")[:300]
