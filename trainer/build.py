@@ -29,7 +29,7 @@ from trainer.preemption import ignore_stop_signals_in_worker
 from trainer.rng import RngState, capture_rng, isolated, restore_rng, seed_after_resize, seed_everything
 from trainer.sampler import EVAL_EPOCH, ResumableDistributedSampler, SeededItems, ShardSampler
 from trainer.schedule import LRSchedule
-from trainer.sharding import initialise_on_device
+from trainer.sharding import initialise_in_order, initialise_on_device, registration_order
 from trainer.syncbn import convert_sync_batchnorm
 from trainer.task import RunTask, TaskContext, TaskData, call_task, check_metrics, to_device
 
@@ -166,7 +166,13 @@ def build_training(config: Config, task: RunTask, runtime: Runtime,
     init_weights = getattr(instance, "init_weights", None)  # optional in the task protocol (docs/tasks.md)
     meta = sync.sharded and (config.model.meta_init == "on" or (config.model.meta_init == "auto"
                                                                 and init_weights is not None))
-    model = agreed(runtime, lambda: _task_model(task, instance, data, meta), TaskError)
+    with registration_order() as order:  # the order a plain build draws its weights in (trainer.sharding)
+        model = agreed(runtime, lambda: _task_model(task, instance, data, meta), TaskError)
+    if init_weights is not None and not meta:
+        # The task's own initialisation, as --meta-init applies it: every --sync starts from the same weights.
+        with isolated():
+            seed_everything(seed)
+            agreed(runtime, lambda: initialise_in_order(model, init_weights, order), TaskError)
     if config.model.sync_bn and identity.world_size > 1:
         model = convert_sync_batchnorm(model, device)
         layers = sum(isinstance(module, _BatchNorm) for module in model.modules())
@@ -198,7 +204,8 @@ def build_training(config: Config, task: RunTask, runtime: Runtime,
     if meta:
         with isolated():  # the weights a plain build draws right after seed_everything(seed)
             seed_everything(seed)
-            held = agreed(runtime, lambda: initialise_on_device(model, device, init_weights, owner), TaskError)
+            held = agreed(runtime, lambda: initialise_on_device(model, device, init_weights, owner, order),
+                          TaskError)
         if identity.is_main:
             log.info("--meta-init: model built on the meta device; rank 0 allocated %.1f MB of its shards", held / 1e6)
     if sync.sharded and identity.is_main:

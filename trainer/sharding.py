@@ -11,8 +11,11 @@ left. A task may name its own with ``shard_units(model)`` (docs/tasks.md).
 
 A model too large for one rank is built on the meta device (``--meta-init``), sharded, and only then given
 memory: each rank allocates its own shards. Its weights are initialised module by module, each module's own
-tensors materialised in full for the moment of its initialisation (a layer, never the model), so that the
-sharded model starts with exactly the weights a plain build would have given, at any world size.
+tensors materialised in full, in host memory, for the moment of its initialisation (a layer, never the model),
+in the order the model's build registered them (``registration_order``): the order a plain build draws them in.
+So the sharded model starts with exactly the weights a plain build would have given, at any world size; and a
+task's ``init_weights`` is applied in that order by a plain build too (``initialise_in_order``), so every
+``--sync`` starts a task from the same weights.
 """
 
 from __future__ import annotations
@@ -27,13 +30,18 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_parameter_registration_hook,
+)
 
 from trainer.distributed import Runtime
 from trainer.errors import ConfigError, TaskError
 from trainer.gradsync import GradSync, SyncOptions, layers
 from trainer.seams import SYNC_METHODS
 
-__all__ = ["FSDPSync", "HSDPSync", "default_units", "initialise_on_device", "local_rows"]
+__all__ = ["FSDPSync", "HSDPSync", "default_units", "initialise_in_order", "initialise_on_device", "local_rows",
+           "registration_order"]
 
 REDUCED_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -202,12 +210,55 @@ def local_rows(tensor: DTensor) -> tuple[int, int]:
     return int(offset[0]) if offset else 0, int(shape[0]) if shape else 1
 
 
+@contextmanager
+def registration_order() -> Iterator[list[nn.Module]]:
+    """The modules built inside the block, in the order each registered its first parameter or buffer. A plain
+    build draws a module's weights in its constructor, once its tensors exist: a block that makes a Linear child
+    and then a parameter of its own draws the child's first, one that makes its parameter first draws it first.
+    (``model.modules()`` visits the parent first either way.) Torch's registration hooks are process-wide: they
+    are removed when the block ends."""
+    order: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def registered(module: nn.Module, _: str, tensor: Any) -> None:
+        if tensor is not None and id(module) not in seen:
+            seen.add(id(module))
+            order.append(module)
+
+    handles = [register_module_parameter_registration_hook(registered),
+               register_module_buffer_registration_hook(registered)]
+    try:
+        yield order
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def initialise_in_order(model: nn.Module, init: Callable[[nn.Module], None], order: list[nn.Module]) -> None:
+    """A plain build's weights given by the task's ``init_weights(module)``, each module in ``order``: the draws a
+    meta-built model's initialisation makes, in the same order (call it right after seeding as that does)."""
+    with torch.no_grad():
+        for module in _in_order(model, order):
+            init(module)
+
+
+def _in_order(model: nn.Module, order: list[nn.Module]) -> list[nn.Module]:
+    """The model's modules that own tensors, in registration order; any the hooks did not see (tensors placed in
+    ``_parameters`` by hand) after them, in the model's own order."""
+    owning = [module for module in model.modules() if _owns_tensors(module)]
+    inside = {id(module) for module in owning}
+    listed = [module for module in order if id(module) in inside]
+    known = {id(module) for module in listed}
+    return listed + [module for module in owning if id(module) not in known]
+
+
 def initialise_on_device(model: nn.Module, device: torch.device, init: Callable[[nn.Module], None] | None,
-                         owner: str) -> int:
+                         owner: str, order: list[nn.Module] | None = None) -> int:
     """Give a meta-built, sharded model memory on ``device`` (its own shards only) and initialise every module
-    that owns tensors: the task's ``init_weights(module)``, else the module's ``reset_parameters()``. Each
-    module's sharded parameters are materialised in full while it is initialised (the same random draws, in the
-    same order, as a plain build), then cut to this rank's rows. Returns the bytes this rank allocated."""
+    that owns tensors, in ``order`` (registration_order's, from the build): the task's ``init_weights(module)``,
+    else the module's ``reset_parameters()``. Each module's sharded parameters are materialised in full in host
+    memory while it is initialised (the same random draws, from the same generator, in the same order, as a plain
+    build), then cut to this rank's rows. Returns the bytes this rank allocated."""
     missing = [f"{name or 'the root'} ({type(module).__name__})" for name, module in model.named_modules()
                if _owns_tensors(module) and init is None and not hasattr(module, "reset_parameters")]
     if missing:
@@ -216,9 +267,8 @@ def initialise_on_device(model: nn.Module, device: torch.device, init: Callable[
                         f"the task an init_weights(module) (docs/tasks.md) or pass --meta-init off")
     model.to_empty(device=device)
     with torch.no_grad():
-        for module in model.modules():
-            if _owns_tensors(module):
-                _initialise_module(module, init or _reset)
+        for module in _in_order(model, order or []):
+            _initialise_module(module, init or _reset)
     return sum(_local(tensor).nbytes for tensor in [*model.parameters(), *model.buffers()])
 
 
@@ -233,7 +283,8 @@ def _reset(module: nn.Module) -> None:
 def _initialise_module(module: nn.Module, init: Callable[[nn.Module], None]) -> None:
     sharded = {name: parameter for name, parameter in module._parameters.items() if isinstance(parameter, DTensor)}
     for name, parameter in sharded.items():
-        full = torch.empty(parameter.shape, dtype=parameter.dtype, device=_local(parameter).device)
+        # On the host: a plain build draws on the CPU's generator (a CUDA one gives other numbers).
+        full = torch.empty(parameter.shape, dtype=parameter.dtype, device="cpu")
         module._parameters[name] = nn.Parameter(full, requires_grad=parameter.requires_grad)
     try:
         init(module)

@@ -210,6 +210,24 @@ def test_meta_init_never_gives_a_rank_the_whole_model_and_starts_from_the_plain_
     assert_same_tensors(meta_model, plain_model)
 
 
+def test_a_tasks_init_weights_starts_ddp_and_meta_init_fsdp_runs_from_the_same_weights(tmp_path):
+    """One SGD step (no momentum) of a task with init_weights: under --sync ddp (a plain build, then init_weights
+    in the order the build made the modules) and under --sync fsdp (--meta-init auto: built on the meta device).
+    Different starting weights would differ by their whole size; one step's rounding by far less than 1e-6."""
+    trained_models = {}
+    for sync in ("ddp", "fsdp"):
+        output = tmp_path / sync
+        result = torchrun(["--task", "tests.support.tasks:InitWeightsTask", "--blocks", "3", "--width", "8",
+                           "--sync", sync, "--optimizer", "sgd", "--momentum", "0", "--batch-size", "4",
+                           "--max-steps", "1", "--epochs", "1", "--progress", "off", "--no-tensorboard",
+                           "--output-dir", str(output)], nproc=2)
+        assert result.returncode == 0, result.stderr[-3000:]
+        trained_models[sync] = newest_checkpoint(output / "checkpoints")[2]["model"]
+    assert "--meta-init: model built on the meta device" in result.stderr, result.stderr[-3000:]  # the fsdp run
+    for name, expected in trained_models["ddp"].items():
+        assert torch.allclose(trained_models["fsdp"][name], expected, rtol=0, atol=1e-6), name
+
+
 def test_hsdp_shards_within_each_node_and_replicates_across_two(uninterrupted, tmp_path):
     """Two torchrun agents (nodes) of two ranks: a 2 x 2 mesh; one replica writes the shards; the checkpoint
     then resumes under --sync fsdp at one rank, on the same global order."""

@@ -240,6 +240,39 @@ class WideTask(Task[WideOptions]):
         return nn.functional.mse_loss(outputs.float(), targets)
 
 
+class ScaledStack(nn.Module):
+    """A Linear made first, then a parameter of its own (a plain build draws the Linear's weights first)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.scale = nn.Parameter(torch.empty(width))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.scale, 1.0, 0.1)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.fc(inputs) * self.scale
+
+
+class InitWeightsTask(WideTask):
+    """WideTask's data through ScaledStack blocks, with its own init_weights: every --sync (and --meta-init) must
+    start it from the same weights."""
+
+    name = "init-weights"
+
+    def model(self, data: TaskData) -> nn.Module:
+        return nn.Sequential(*(ScaledStack(self.options.width) for _ in range(self.options.blocks)))
+
+    def init_weights(self, module: nn.Module) -> None:
+        for name, tensor in module.named_parameters(recurse=False):
+            if name == "scale":
+                nn.init.normal_(tensor, 1.0, 0.02)
+            else:
+                nn.init.trunc_normal_(tensor, std=0.1)
+
+
 @dataclass
 class GateOptions:
     gate: str = option("", "a folder: at the gate's loss call, rank 0 writes 'reached' there and waits for 'go'")

@@ -11,7 +11,7 @@ from trainer.checkpoint.shards import MARK, ShardSource, fit
 from trainer.config import Config, ModelConfig, TrainConfig
 from trainer.errors import ConfigError, TaskError
 from trainer.gradsync import SyncOptions
-from trainer.sharding import FSDPSync, default_units, initialise_on_device
+from trainer.sharding import FSDPSync, default_units, initialise_in_order, initialise_on_device, registration_order
 
 
 class Block(nn.Module):
@@ -90,6 +90,50 @@ def test_meta_init_with_a_tasks_init_weights_and_no_sharding_gives_each_module_i
     held = initialise_on_device(model, torch.device("cpu"), init_weights, "task 'x'")
     assert all(bool((tensor == 7).all()) for tensor in [*model.parameters(), *model.buffers()])
     assert held == sum(tensor.nbytes for tensor in [*model.parameters(), *model.buffers()])
+
+
+class ScaledLinear(nn.Module):
+    """A Linear child made first, then a parameter of its own: a plain build draws the child's weights first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.scale = nn.Parameter(torch.empty(3))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.scale)
+
+
+def built(meta: bool) -> tuple[nn.Module, list[nn.Module]]:
+    torch.manual_seed(5)
+    with registration_order() as order, torch.device("meta") if meta else torch.device("cpu"):
+        model = nn.Sequential(nn.Linear(3, 3), ScaledLinear())
+    return model, order
+
+
+def test_meta_init_draws_in_the_order_a_plain_build_does():
+    plain, _ = built(meta=False)
+    meta, order = built(meta=True)
+    torch.manual_seed(5)
+    initialise_on_device(meta, torch.device("cpu"), None, "task 'x'", order)
+    for (name, expected), (_, tensor) in zip(plain.state_dict().items(), meta.state_dict().items(), strict=True):
+        assert torch.equal(tensor, expected), name
+
+
+def test_a_tasks_init_weights_gives_a_plain_build_the_weights_meta_init_gives():
+    def init_weights(module: nn.Module) -> None:
+        for tensor in module.parameters(recurse=False):
+            nn.init.uniform_(tensor, -1, 1)
+
+    plain, plain_order = built(meta=False)
+    torch.manual_seed(9)
+    initialise_in_order(plain, init_weights, plain_order)
+    meta, order = built(meta=True)
+    torch.manual_seed(9)
+    initialise_on_device(meta, torch.device("cpu"), init_weights, "task 'x'", order)
+    for (name, expected), (_, tensor) in zip(plain.state_dict().items(), meta.state_dict().items(), strict=True):
+        assert torch.equal(tensor, expected), name
 
 
 def test_meta_init_on_needs_a_sharded_sync():
