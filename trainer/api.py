@@ -163,6 +163,10 @@ def _prepare_and_fit(config: Config, task: RunTask, runtime: Runtime, checkpoint
         if loaded is not None:
             # Agreed: under --sync fsdp each rank reads its own shards, and may be the only one to fail.
             agreed(runtime, lambda: trainer.restore(loaded), CheckpointError)
+            if config.checkpoint.init_from and runtime.is_main:
+                log.info("--init-from is for a fresh start: this run resumes from %s instead", loaded.location)
+        elif config.checkpoint.init_from:
+            agreed(runtime, lambda: trainer.init_from(config.checkpoint.init_from), CheckpointError)
         # Once the run is known to go ahead: a refused resume leaves the last one's.
         agreed(runtime, lambda: write_config(Path(config.output.output_dir), shown_config) if runtime.is_main
                else None, OutputError)

@@ -138,6 +138,9 @@ class CheckpointConfig:
     allow_resume_change: str = option(
         "", "settings a resume may change although they change the training, comma-separated (lr,batch_size); "
         "see docs/checkpoints.md for what a resume always allows and always refuses", resume=ResumeRule.IGNORE)
+    init_from: str = option("", "a fresh run starts from the model weights of this torch.distributed.checkpoint folder "
+                                "(another tool's, TorchTitan's layout, or one of ours); a resume ignores it",
+                            resume=ResumeRule.IGNORE)
     async_checkpoint: bool = option(False, "write checkpoints in a background thread")
     grace_period_s: float = option(25.0, "after SIGTERM, exit within this many seconds (checkpoint included)")
     checkpoint_timeout_s: float = option(1800.0, "a checkpoint write that takes longer (a hung NFS mount or bucket) "

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 
 from trainer.build import TrainingSetup
 from trainer.checkpoint import CheckpointManager, LoadedCheckpoint
+from trainer.checkpoint.init_from import initial_weights
 from trainer.checkpoint.parts import RestoreContext, add_run_parts
 from trainer.checkpoint.reading import InvalidCheckpoint
 from trainer.checkpoint.schema import TaskRecord
@@ -25,7 +26,7 @@ from trainer.distributed import Runtime, agreed
 from trainer.errors import CheckpointError, OutOfMemory, OutputError, Preempted, first_line
 from trainer.evaluation import detached, evaluate
 from trainer.first_batch import check_first_batches
-from trainer.gradsync import broadcast_buffers
+from trainer.gradsync import broadcast_buffers, unwrap
 from trainer.position import TrainingPosition
 from trainer.preemption import PreemptionWatcher
 from trainer.profiling import StepProfiler, out_of_memory_message
@@ -72,6 +73,12 @@ class Trainer:
                 self.output_dir / f"samples-rank{runtime.identity.rank}.jsonl", "a", encoding="utf-8")
 
     # -- resume --------------------------------------------------------------------------------------------
+    def init_from(self, path: str) -> None:
+        """--init-from: the model's weights from a DCP folder (trainer.checkpoint.init_from), on every rank."""
+        loaded = initial_weights(path, unwrap(self.setup.model), self.checkpoints.side_group())
+        if self.runtime.is_main:
+            self.log.info("--init-from %s: %s", redacted(path), loaded)
+
     def restore(self, loaded: LoadedCheckpoint) -> None:
         """Continue from a checkpoint that trainer.resume.check_resume accepted for this run."""
         state, identity = loaded.state, self.runtime.identity

@@ -315,6 +315,43 @@ def test_a_damaged_shard_file_is_refused_in_one_line_and_export_puts_a_checkpoin
     assert not witness.exists()
 
 
+def test_init_from_starts_from_another_tools_dcp_weights_and_refuses_what_does_not_fit(uninterrupted, tmp_path):
+    """A fresh 2-rank fsdp run from a DCP folder that torch's own writer made in TorchTitan's layout (the model's
+    tensors at the top level, by name): it starts from those weights (one step at lr 1e-12 moves them by less
+    than 1e-9; the run's own initial weights differ by tenths). A folder of another model, and one whose .metadata unpickles a callable, are refused in one line."""
+    weights = trained(uninterrupted)["model"]
+    titan = tmp_path / "titan"
+    dcp.save(dict(weights), checkpoint_id=str(titan), no_dist=True)
+    started = launch(2, tmp_path / "run", "--init-from", str(titan), "--lr", "1e-12", "--max-steps", "1")
+    assert f"--init-from {titan}: {len(weights)} tensors (" in started.stderr, started.stderr[-3000:]
+    assert "from its top level" in started.stderr
+    after = newest_checkpoint(tmp_path / "run" / "checkpoints")[2]["model"]
+    parameters = [name for name in weights if name.endswith(("weight", "bias"))]
+    assert parameters and all(torch.allclose(after[name], weights[name], rtol=0, atol=1e-9) for name in parameters)
+    other = tmp_path / "other"
+    dcp.save({"model.fc.weight": torch.zeros(2, 2)}, checkpoint_id=str(other), no_dist=True)
+    assert init_refused(other, tmp_path) == (
+        f"--init-from {other}: it has no tensor for {len(weights)} of the model's {len(weights)} (such as "
+        f"{', '.join(list(weights)[:5])}); it holds model.fc.weight; pass a torch.distributed.checkpoint folder of "
+        f"this model")
+    witness = tmp_path / "ran"
+    (other / ".metadata").write_bytes(pickle.dumps(RunsCode(f"touch {witness}")))
+    assert init_refused(other, tmp_path) == (f"--init-from {other}: .metadata holds posix.system, which is none of "
+                                             f"DCP's metadata types: refused (a pickle can run code when loaded); "
+                                             f"pass a torch.distributed.checkpoint folder of this model")
+    assert not witness.exists()
+
+
+def init_refused(folder: Path, tmp_path: Path) -> str:
+    output = tmp_path / "refused"
+    shutil.rmtree(output, ignore_errors=True)
+    result = run([sys.executable, "-m", "trainer", *ARGS, "--batch-size", "24", "--output-dir", str(output),
+                  "--init-from", str(folder)])
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+    return errors[0].split("error: ", 1)[1]
+
+
 class RunsCode:
     def __init__(self, command: str) -> None:
         self.command = command

@@ -1,0 +1,76 @@
+"""``--init-from PATH``: a fresh run starts from the model weights of a torch.distributed.checkpoint folder,
+written by this trainer or another tool (TorchTitan keeps the model's tensors at the top level, by name; this
+trainer under ``model.``), read through the same restricted reader as a resume (trainer.checkpoint.dcp_files):
+its ``.metadata`` admits DCP's own types only, and each rank reads only the chunks its shards need.
+
+The weights only: the optimizer, the schedule and the position start afresh. A checkpoint that lacks a tensor
+of this model, or holds one of another shape, is refused in one line naming them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from trainer.checkpoint.dcp_files import DcpSource, read_metadata
+from trainer.checkpoint.reading import DCP_METADATA, InvalidCheckpoint, UnknownFormat, checked_read, read_manifest
+from trainer.checkpoint.shards import MARK, fit
+from trainer.checkpoint.storage import MANIFEST, open_storage
+from trainer.errors import CheckpointError
+from trainer.redact import redact
+
+__all__ = ["initial_weights"]
+
+# Where a tool keeps a model's tensors among the checkpoint's keys, in the order they are tried.
+PREFIXES = ("", "model.")
+
+
+def initial_weights(path: str, model: nn.Module, group: Any) -> str:
+    """Load the weights of the DCP folder at ``path`` into ``model`` (its own shards under --sync fsdp), on every
+    rank at once (a collective read over ``group``); returns what was loaded, for the log."""
+    try:
+        return _load(path, model, group)
+    except (InvalidCheckpoint, UnknownFormat) as problem:
+        raise CheckpointError(f"--init-from {path}: {problem}; pass a torch.distributed.checkpoint folder of this "
+                              f"model") from None
+    except OSError as error:
+        raise CheckpointError(redact(f"--init-from {path}: cannot read it ({error.strerror or error})", path)) from None
+
+
+def _load(path: str, model: nn.Module, group: Any) -> str:
+    parent, _, name = path.rstrip("/").rpartition("/")
+    storage = open_storage(parent or ".")
+    if not storage.exists(name, DCP_METADATA):
+        raise InvalidCheckpoint(f"no {DCP_METADATA} there (not a torch.distributed.checkpoint folder)")
+    # One of ours: its files checked against its manifest and items.json; another tool's: sizes only.
+    manifest = read_manifest(storage, name)[0] if storage.exists(name, MANIFEST) else None
+    metadata = read_metadata(checked_read(storage, name, DCP_METADATA, manifest) if manifest is not None
+                             else storage.read(name, DCP_METADATA))
+    saved = {key: value for key, value in metadata.state_dict_metadata.items()
+             if isinstance(value, TensorStorageMetadata)}
+    wanted = model.state_dict()
+    prefix = max(PREFIXES, key=lambda candidate: sum(f"{candidate}{key}" in saved for key in wanted))
+    missing = [key for key in wanted if f"{prefix}{key}" not in saved]
+    if missing:
+        held = ", ".join(sorted(saved)[:5]) or "no tensors"
+        raise InvalidCheckpoint(f"it has no tensor for {len(missing)} of the model's {len(wanted)} (such as "
+                                f"{', '.join(missing[:5])}); it holds {held}{', ...' if len(saved) > 5 else ''}")
+    reshaped = [f"{key} {list(saved[prefix + key].size)} where the model has {list(tensor.shape)}"
+                for key, tensor in wanted.items() if list(saved[prefix + key].size) != list(tensor.shape)]
+    if reshaped:
+        raise InvalidCheckpoint(f"its tensors do not fit the model: {'; '.join(reshaped[:3])}")
+    markers = {key: {MARK: f"{prefix}{key}", "shape": list(tensor.shape),
+                     "dtype": str(tensor.dtype).removeprefix("torch.")} for key, tensor in wanted.items()}
+    source = DcpSource(storage, name, manifest, group)
+    try:
+        source.prepare([(marker, wanted[key]) for key, marker in markers.items()])
+        model.load_state_dict(fit(markers, wanted, source))
+    finally:
+        source.close()
+    unused = len(saved) - len(wanted)
+    elements = sum(int(torch.Size(tensor.shape).numel()) for tensor in wanted.values())
+    return (f"{len(wanted)} tensors ({elements:,} values) from {repr(prefix) + ' keys' if prefix else 'its top level'}"
+            + (f"; {unused} other tensors of the checkpoint left (an optimizer's, ...)" if unused else ""))
