@@ -318,7 +318,8 @@ def test_a_damaged_shard_file_is_refused_in_one_line_and_export_puts_a_checkpoin
 def test_init_from_starts_from_another_tools_dcp_weights_and_refuses_what_does_not_fit(uninterrupted, tmp_path):
     """A fresh 2-rank fsdp run from a DCP folder that torch's own writer made in TorchTitan's layout (the model's
     tensors at the top level, by name): it starts from those weights (one step at lr 1e-12 moves them by less
-    than 1e-9; the run's own initial weights differ by tenths). A folder of another model, and one whose .metadata unpickles a callable, are refused in one line."""
+    than 1e-9; the run's own initial weights differ by tenths). A folder of another model, and one whose
+    .metadata unpickles a callable, are refused in one line."""
     weights = trained(uninterrupted)["model"]
     titan = tmp_path / "titan"
     dcp.save(dict(weights), checkpoint_id=str(titan), no_dist=True)
