@@ -31,6 +31,7 @@ from bench.figures import (
     peers,
     scaling,
     sharded,
+    sharded_checkpoints,
     sync_bn,
     sync_methods,
     time_to_accuracy,
@@ -56,6 +57,7 @@ FIGURES: dict[str, tuple[str, Callable[[Context], FigureResult]]] = {
     "imagefolder": (image_folder.TITLE, image_folder.run),
     "peers": (peers.TITLE, peers.run),
     "sharded": (sharded.TITLE, sharded.run),
+    "sharded-checkpoints": (sharded_checkpoints.TITLE, sharded_checkpoints.run),
 }
 
 

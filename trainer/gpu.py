@@ -89,6 +89,8 @@ def checkpoint_layout(model_state: Mapping[str, Any]) -> bool:
     for tensor in model_state.values():
         if isinstance(tensor, torch.Tensor) and tensor.dim() == 4 and not tensor.is_contiguous():
             return tensor.is_contiguous(memory_format=torch.channels_last)
+        if isinstance(tensor, dict) and "channels_last" in tensor:  # a marker (trainer.checkpoint.state_file)
+            return bool(tensor["channels_last"])
     return False
 
 

@@ -102,7 +102,9 @@ class CheckpointManager:
         outcome: LoadedCheckpoint | str | None = None
         if self.runtime.is_main:
             try:
-                outcome = self._find(resume)
+                found = self._find(resume)
+                # Never the whole state to every rank: each reads what it holds from the files.
+                outcome = None if found is None else found.for_every_rank()
             except CheckpointError as problem:
                 outcome = str(problem)
             except UnknownFormat as problem:

@@ -5,6 +5,7 @@ skipped, an older one tried; UnknownFormat: refused, never skipped)."""
 from __future__ import annotations
 
 import json
+import zlib
 from typing import Any
 
 from trainer.checkpoint.schema import READABLE
@@ -16,6 +17,8 @@ MAX_MANIFEST_BYTES = 1 << 20
 # torch.distributed.checkpoint's own name for its metadata file: the one file name with a dot that a manifest
 # may list (any other is refused as something that is no part of a checkpoint).
 DCP_METADATA = ".metadata"
+# A local file's checksum is taken in pieces of this size: the check never holds the file.
+CHECK_PIECE = 16 << 20
 
 
 class InvalidCheckpoint(Exception):
@@ -47,6 +50,34 @@ def checked_read(storage: CheckpointStorage, name: str, filename: str, manifest:
     if crc32_hex(data) != checksum:
         raise InvalidCheckpoint(f"{filename} does not match the manifest's crc32 checksum (corrupted)")
     return data
+
+
+def checked_file(storage: CheckpointStorage, name: str, filename: str, manifest: dict[str, Any]) -> str | bytes:
+    """``checked_read``, but a local file is checked in pieces and given as its path (to be mapped into memory,
+    never held whole by the check): its bytes only from an object store."""
+    path = storage.local_path(name, filename)
+    if path is None:
+        return checked_read(storage, name, filename, manifest)
+    try:
+        expected = manifest["files"][filename]
+        size, checksum = int(expected["bytes"]), str(expected["crc32"])
+    except (KeyError, TypeError, ValueError):
+        raise InvalidCheckpoint(f"{MANIFEST} does not describe {filename}") from None
+    check_size(storage, name, filename, size)
+    crc, done = 0, 0
+    try:
+        while done < size:
+            piece = storage.read_range(name, filename, done, min(CHECK_PIECE, size - done))
+            if not piece:
+                break
+            crc, done = zlib.crc32(piece, crc), done + len(piece)
+    except OSError as error:
+        raise InvalidCheckpoint(f"{filename} unreadable ({error.strerror or error})") from None
+    if done != size:
+        raise InvalidCheckpoint(f"{filename} has {done} bytes, the manifest says {size}")
+    if f"{crc:08x}" != checksum:
+        raise InvalidCheckpoint(f"{filename} does not match the manifest's crc32 checksum (corrupted)")
+    return path
 
 
 def check_size(storage: CheckpointStorage, name: str, filename: str, size: int) -> None:

@@ -5,22 +5,13 @@ checkpoint to check it."""
 
 from __future__ import annotations
 
-import io
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
-
 from trainer.checkpoint import dcp_files, shards
-from trainer.checkpoint.reading import (
-    STATE_FILE,
-    InvalidCheckpoint,
-    check_size,
-    checked_read,
-    load_failure,
-    read_manifest,
-)
-from trainer.checkpoint.schema import DCP_FORMAT, SchemaError, TrainingState
+from trainer.checkpoint.reading import STATE_FILE, InvalidCheckpoint, check_size, checked_read, read_manifest
+from trainer.checkpoint.schema import DCP_FORMAT, TrainingState
+from trainer.checkpoint.state_file import StateFileSource, load_state_file, without_tensors
 from trainer.checkpoint.storage import MANIFEST, CheckpointStorage, open_storage
 
 
@@ -31,13 +22,29 @@ class LoadedCheckpoint:
     state: TrainingState
     # Where the folder is (its storage's location and its name): each rank reads its own shards there.
     folder: tuple[str, str] = ("", "")
+    # The state's tensors are markers, each rank reads them from the state file (for_every_rank).
+    tensors_in_state_file: bool = False
 
-    def shard_source(self, group: Any = None) -> shards.ShardSource | dcp_files.DcpSource | None:
-        """Where a sharded checkpoint's tensors are read from, each read checked by the rank that reads it:
-        format 5's DCP files (a collective read over ``group``, every rank at once), format 4's shard files."""
+    def for_every_rank(self) -> LoadedCheckpoint:
+        """What rank 0 sends every rank: an unsharded checkpoint's state with its tensors left in the state file
+        (each rank maps it and copies out what it holds: state_file.StateFileSource), never the tensors
+        themselves; a sharded one's state file holds none."""
+        if self.manifest.get("format") not in (2, 3):
+            return self
+        state = self.state
+        light = TrainingState(without_tensors(state.parts), state.world_size, state.versions, state.part_versions,
+                              state.per_rank, state.shards)
+        return replace(self, state=light, tensors_in_state_file=True)
+
+    def shard_source(self, group: Any = None) -> shards.ShardSource | dcp_files.DcpSource | StateFileSource | None:
+        """Where the checkpoint's tensors are read from, each read checked: format 5's DCP files (a collective read
+        over ``group``, every rank at once, each range checked by its reader), format 4's shard files, and the
+        state file when the state was sent without its tensors (for_every_rank)."""
         storage, name = open_storage(self.folder[0]), self.folder[1]
         if self.manifest.get("format") == DCP_FORMAT:
             return dcp_files.DcpSource(storage, name, self.manifest, group)
+        if self.tensors_in_state_file:
+            return StateFileSource(storage, name, self.manifest, int(self.manifest["format"]))
         if self.state.shards is None:
             return None
         return shards.ShardSource(self.state.shards, lambda filename: checked_read(storage, name, filename,
@@ -50,15 +57,7 @@ def verify(storage: CheckpointStorage, name: str) -> LoadedCheckpoint:
         raise InvalidCheckpoint("no manifest (the save did not finish)" if storage.has_folder(name)
                                 else "no such checkpoint folder")
     manifest, version = read_manifest(storage, name)
-    data = checked_read(storage, name, STATE_FILE, manifest)
-    try:
-        # weights_only: a checkpoint on shared storage must not be able to run code when loaded.
-        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as error:  # noqa: BLE001 - any unpickling failure means the same: unusable
-        raise InvalidCheckpoint(f"{STATE_FILE} does not load with weights_only=True ({load_failure(error)})"
-                                ) from None
-    if not isinstance(state, dict):
-        raise InvalidCheckpoint(f"{STATE_FILE} holds a {type(state).__name__}, not a training state")
+    state = load_state_file(storage, name, manifest, version)
     for filename, entry in manifest["files"].items():
         if filename != STATE_FILE:  # a sharded checkpoint's files: each rank checks what it reads of them
             try:
@@ -66,11 +65,7 @@ def verify(storage: CheckpointStorage, name: str) -> LoadedCheckpoint:
             except (KeyError, TypeError, ValueError):
                 raise InvalidCheckpoint(f"{MANIFEST} does not describe {filename}") from None
             check_size(storage, name, filename, size)
-    try:
-        return LoadedCheckpoint(storage.describe(name), manifest, TrainingState.from_dict(state, version),
-                                (storage.location, name))
-    except SchemaError as problem:
-        raise InvalidCheckpoint(str(problem)) from None
+    return LoadedCheckpoint(storage.describe(name), manifest, state, (storage.location, name))
 
 
 def verify_path(path: str) -> LoadedCheckpoint:

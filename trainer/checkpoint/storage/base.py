@@ -168,6 +168,11 @@ class CheckpointStorage(ABC):
     @abstractmethod
     def read(self, name: str, filename: str) -> bytes: ...
 
+    def local_path(self, name: str, filename: str) -> str | None:
+        """The file's path where it is on a local (or mounted) file system, which a reader may map into memory;
+        None on an object store."""
+        return None
+
     @abstractmethod
     def read_range(self, name: str, filename: str, offset: int, length: int) -> bytes:
         """``length`` bytes of the file from ``offset`` (fewer only where the file ends sooner)."""

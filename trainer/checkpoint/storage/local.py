@@ -69,6 +69,9 @@ class LocalStorage(CheckpointStorage):
         with open(self.root / name / filename, "rb", opener=_no_follow) as handle:
             return handle.read()
 
+    def local_path(self, name: str, filename: str) -> str | None:
+        return str(self.root / name / filename)
+
     def read_range(self, name: str, filename: str, offset: int, length: int) -> bytes:
         self.size(name, filename)
         descriptor = _no_follow(str(self.root / name / filename), os.O_RDONLY)

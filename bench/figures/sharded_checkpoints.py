@@ -1,0 +1,80 @@
+"""Figure 12: sharded checkpoints (torch.distributed.checkpoint underneath, format 5) at 2 ranks, on a stack of
+Linear layers with AdamW (full: 24 x 2048 x 2048, 403 MB of parameters and 1.2 GB of parameters and AdamW state;
+quick: 2 x 128 x 128), through the trainer's CheckpointManager and state parts (bench.workers.sharded_checkpoints):
+
+  save      a synchronous sharded save, the slowest rank, against each rank writing the same tensors with one
+            torch.save (what format 4 did): what the manifest, the checksums and DCP's planning cost;
+  resume    its restore at the same world size, the slowest rank, against one torch.load of that raw file;
+  memory    each rank's peak memory growth (RssAnon) during a restore, against its share (the bytes of its
+            parameters and AdamW state): resuming fsdp at 2 ranks, converting a DDP checkpoint to fsdp, resharding
+            2 -> 3 ranks; and a sharded checkpoint restored under ddp against the whole state, which ddp holds;
+  read      bytes of checkpoint each rank reads on a reshard 2 -> 3, against its share: DCP reads whole saved
+            chunks (one per saved rank and tensor) and keeps the rows it needs, so a rank whose rows straddle two
+            saved chunks reads both.
+"""
+
+from __future__ import annotations
+
+import json
+
+from bench.figures.sharded import FIXED_MMAP_THRESHOLD
+from bench.harness.context import Context
+from bench.harness.measure import load_average
+from bench.harness.results import FigureResult, Goal, Row
+from devtools.processes import torchrun
+
+TITLE = "Sharded checkpoints (DCP inside): save, resume, memory and bytes read at 2 ranks"
+
+
+def _phase(ctx: Context, phase: str, sync: str, ranks: int, folder: str, width: int, blocks: int) -> list[dict]:
+    result = torchrun([phase, sync, str(width), str(blocks), folder], nproc=ranks,
+                      module="bench.workers.sharded_checkpoints", env=FIXED_MMAP_THRESHOLD, timeout_s=900)
+    if result.returncode != 0:
+        raise RuntimeError(f"bench.workers.sharded_checkpoints {phase} {sync} x{ranks} failed: "
+                           f"{result.stderr[-2000:]}")
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
+def run(ctx: Context) -> FigureResult:
+    load_before = load_average()
+    width, blocks = ctx.pick((2048, 24), (128, 2))
+    sharded, plain = str(ctx.scratch("sharded-checkpoints-fsdp")), str(ctx.scratch("sharded-checkpoints-ddp"))
+    measured = {
+        "save fsdp": _phase(ctx, "save", "fsdp", 2, sharded, width, blocks),
+        "save ddp": _phase(ctx, "save", "ddp", 2, plain, width, blocks),
+        "resume fsdp": _phase(ctx, "resume", "fsdp", 2, sharded, width, blocks),
+        "ddp to fsdp": _phase(ctx, "resume", "fsdp", 2, plain, width, blocks),
+        "fsdp to ddp": _phase(ctx, "resume", "ddp", 2, sharded, width, blocks),
+        "reshard 2 to 3": _phase(ctx, "resume", "fsdp", 3, sharded, width, blocks),
+    }
+    save, resume = measured["save fsdp"][0], measured["resume fsdp"][0]
+    mb = 1e6
+
+    def worst(name: str, key: str, over: str) -> tuple[float, str]:
+        ratios = [(record[key] / record[over], record) for record in measured[name]]
+        ratio, record = max(ratios, key=lambda pair: pair[0])
+        return ratio, f"rank {record['rank']}: {record[key] / mb:.0f} MB against {record[over] / mb:.0f} MB"
+
+    rows = [Row("sharded save (format 5) / one torch.save per rank of the same tensors",
+                save["save_s"] / save["raw_save_s"], Goal("<=", 1.5),
+                notes=f"{save['save_s']:.2f} s against {save['raw_save_s']:.2f} s, slowest rank"),
+            Row("sharded resume, same world size / one torch.load of that file",
+                resume["resume_s"] / resume["raw_load_s"], Goal("<=", 2.0),
+                notes=f"{resume['resume_s']:.2f} s against {resume['raw_load_s']:.2f} s, slowest rank; the manifest, "
+                      f"the metadata and every range's checksum included")]
+    for name, label in (("resume fsdp", "resume at 2 ranks"), ("ddp to fsdp", "a DDP checkpoint resumed under fsdp"),
+                        ("reshard 2 to 3", "resharded 2 -> 3 ranks"), ("fsdp to ddp", "a sharded one under ddp")):
+        ratio, notes = worst(name, "grown", "share")
+        over = "its share" if name != "fsdp to ddp" else "the whole state (ddp's share)"
+        rows.append(Row(f"peak memory growth while restoring / {over}: {label}", ratio, Goal("<=", 1.25),
+                        notes=f"worst {notes}"))
+
+    ratio, notes = worst("reshard 2 to 3", "bytes_read", "share")
+    rows.append(Row("bytes read per rank on a reshard 2 -> 3 / its share", ratio,
+                    notes=f"worst {notes}; whole saved chunks are read (reported, no goal)"))
+    ratio, notes = worst("resume fsdp", "bytes_read", "share")
+    rows.append(Row("bytes read per rank on a resume at 2 ranks / its share", ratio, Goal("<=", 1.05),
+                    notes=f"worst {notes}"))
+    details = {"runs": measured, "model": {"width": width, "blocks": blocks},
+               "load_average": [load_before, load_average()]}
+    return FigureResult(12, "sharded-checkpoints", TITLE, rows, details)

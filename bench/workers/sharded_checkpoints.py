@@ -1,0 +1,128 @@
+"""One rank of figure 12: ``torchrun ... -m bench.workers.sharded_checkpoints PHASE SYNC WIDTH BLOCKS FOLDER``.
+
+A stack of BLOCKS Linear(WIDTH, WIDTH) layers with AdamW under --sync SYNC (fsdp: built on the meta device, given
+only this rank's shards), through the trainer's own state parts and CheckpointManager, checkpoints in FOLDER:
+
+  save    one AdamW step, then a synchronous save (format 5 under fsdp, 3 under ddp), timed (the slowest rank),
+          and the same tensors written by one ``torch.save`` per rank into FOLDER/raw (what format 4 did; under
+          ddp, rank 0 alone): the save against a raw write. The growth of memory over the whole phase, from
+          before the model is built, is a fresh run's (model, gradients, AdamW's state, the save).
+  resume  the model and optimizer built, then the newest checkpoint in FOLDER restored (whatever sync and world
+          size wrote it): the growth of memory during the restore alone (RssAnon, sampled every millisecond),
+          the bytes of checkpoint this rank read, and the time, against one ``torch.load`` of its own raw file.
+
+Each rank prints one JSON line; the figure keeps the worst rank's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from devtools.memory import PeakSampler
+from trainer.build import state_parts
+from trainer.checkpoint import CheckpointManager, RestoreContext, TaskRecord, TrainingPosition, add_run_parts
+from trainer.config import CheckpointConfig, DistConfig
+from trainer.distributed import process_group
+from trainer.gradsync import build_grad_sync
+from trainer.launchers import identity_from_env
+from trainer.sharding import initialise_on_device
+
+BATCH = 8
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _held(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    tensors = [*model.parameters(), *(value for state in optimizer.state.values() for value in state.values()
+                                      if isinstance(value, torch.Tensor))]
+    return sum(_local(tensor).nbytes for tensor in tensors)
+
+
+def _slowest(seconds: float) -> float:
+    value = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value.item())
+
+
+def main(phase: str, method: str, width: int, blocks: int, folder: str) -> None:
+    identity = identity_from_env({**os.environ, "DDP_JOB_ID": f"bench-sharded-checkpoints-{phase}"})
+    with process_group(DistConfig(), identity, torch.device("cpu")) as runtime:
+        sampler = PeakSampler()
+        torch.manual_seed(0)
+        sync = build_grad_sync(method, runtime)
+        with torch.device("meta" if sync.sharded else "cpu"):
+            model = nn.Sequential(*(nn.Linear(width, width) for _ in range(blocks)))
+        wrapped = sync.wrap(model)
+        if sync.sharded:
+            initialise_on_device(model, torch.device("cpu"), None, "bench")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        parts = state_parts(model, optimizer, torch.amp.GradScaler("cpu", enabled=False))
+        add_run_parts(parts, TrainingPosition(step=1), TaskRecord("bench", "bench", {}), {})
+        manager = CheckpointManager(CheckpointConfig(keep_last=2), folder, runtime, logging.getLogger("bench"))
+        manager.prepare()
+        raw = Path(folder) / "raw" / f"rank-{identity.rank}.pt"
+        record: dict[str, object] = {"rank": identity.rank, "phase": phase, "sync": method}
+        if phase == "save":
+            inputs = torch.randn(BATCH, width, generator=torch.Generator().manual_seed(identity.rank))
+            wrapped(inputs).square().mean().backward()
+            sync.after_backward(wrapped)
+            optimizer.step()
+            dist.barrier()
+            started = time.perf_counter()
+            manager.save(parts.capture(identity.world_size))
+            record["save_s"] = _slowest(time.perf_counter() - started)
+            own = {name: _local(value) for name, value in model.state_dict().items()}
+            own.update({f"{index}.{key}": _local(value) for index, state in enumerate(optimizer.state.values())
+                        for key, value in state.items()})
+            dist.barrier()
+            started = time.perf_counter()
+            if sync.sharded or identity.is_main:
+                raw.parent.mkdir(parents=True, exist_ok=True)
+                with open(raw, "wb") as handle:
+                    torch.save(own, handle)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+            record["raw_save_s"] = _slowest(time.perf_counter() - started)
+            record["fresh_grown"] = sampler.stop()
+        else:
+            sampler.stop()
+            held_before = _held(model, optimizer)
+            dist.barrier()
+            sampler = PeakSampler()
+            started = time.perf_counter()
+            loaded = manager.load("latest")
+            assert loaded is not None, f"no checkpoint in {folder}"
+            source = loaded.shard_source(manager.side_group())
+            parts.restore(loaded.state, RestoreContext(identity.rank, identity.world_size, loaded.state.world_size,
+                                                       0, 1, loaded.location, source))
+            record["resume_s"] = _slowest(time.perf_counter() - started)
+            record["grown"] = sampler.stop()
+            record["bytes_read"] = getattr(source, "bytes_read", None)
+            record["saved_format"] = loaded.manifest["format"]
+            record["share"] = _held(model, optimizer) - held_before + sum(
+                _local(parameter).nbytes for parameter in model.parameters())  # its parameters and AdamW state
+            own_raw = Path(folder) / "raw" / f"rank-{identity.rank if sync.sharded else 0}.pt"
+            same_layout = loaded.manifest["format"] == (5 if sync.sharded else 3)  # the same decision on every rank
+            if same_layout and loaded.state.world_size == identity.world_size:
+                dist.barrier()
+                started = time.perf_counter()
+                torch.load(own_raw, weights_only=True)
+                record["raw_load_s"] = _slowest(time.perf_counter() - started)
+        manager.close()
+        print(json.dumps(record), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
