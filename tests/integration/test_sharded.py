@@ -210,6 +210,34 @@ def test_meta_init_never_gives_a_rank_the_whole_model_and_starts_from_the_plain_
     assert_same_tensors(meta_model, plain_model)
 
 
+def test_a_ddp_checkpoint_resumed_under_fsdp_never_gives_a_rank_the_whole_state(tmp_path):
+    """WideTask (201 MB of weights) trained 2 steps under ddp at one rank (no momentum: the checkpoint holds the
+    weights alone), then resumed under fsdp at 2 ranks, built on the meta device, beside a fresh fsdp run. Each
+    rank of the resumed run holds what the fresh one holds before it builds its model (the checkpoint it was sent
+    is markers, not tensors: sent the whole state, as before, each rank kept 201 MB more for the whole run), and
+    grows while building and restoring by the fresh run's growth (its half and a layer or two) plus its share
+    once more while the restore copies its rows in (the bound: its own share)."""
+    common = ["--task", "tests.support.tasks:WideTask", "--optimizer", "sgd", "--momentum", "0", "--epochs", "1",
+              "--progress", "off", "--no-tensorboard", "--allow-resume-change", "batch_size"]
+    plain = run([sys.executable, "-m", "trainer", *common, "--sync", "ddp", "--max-steps", "2", "--batch-size", "4",
+                 "--output-dir", str(tmp_path / "resumed")])
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    records = {}
+    for kind in ("fresh", "resumed"):
+        memory = tmp_path / f"memory-{kind}"
+        memory.mkdir()
+        result = torchrun([*common, "--sync", "fsdp", "--meta-init", "on", "--max-steps", "3", "--batch-size", "2",
+                           "--memory-log", str(memory), "--output-dir", str(tmp_path / kind)], nproc=2,
+                          env=FIXED_MMAP_THRESHOLD)
+        assert result.returncode == 0, result.stderr[-3000:]
+        records[kind] = [json.loads((memory / f"memory-{rank}.json").read_text()) for rank in (0, 1)]
+    assert summary(tmp_path / "resumed")["resumed_from"].endswith("step-00000002")
+    for fresh, resumed in zip(records["fresh"], records["resumed"], strict=True):
+        full = fresh["full"]
+        assert resumed["held_before"] - fresh["held_before"] < 0.25 * full, (fresh, resumed)
+        assert resumed["grown"] < fresh["grown"] + 0.6 * full, (fresh, resumed)
+
+
 def test_a_tasks_init_weights_starts_ddp_and_meta_init_fsdp_runs_from_the_same_weights(tmp_path):
     """One SGD step (no momentum) of a task with init_weights: under --sync ddp (a plain build, then init_weights
     in the order the build made the modules) and under --sync fsdp (--meta-init auto: built on the meta device).

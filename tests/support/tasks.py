@@ -213,7 +213,8 @@ class WideOptions:
 class WideTask(Task[WideOptions]):
     """A stack of wide layers (48 x 1024 x 1024: 201 MB of float32 weights), for --meta-init: each rank records
     how much its memory grew at most (RssAnon, sampled every millisecond) between its datasets() and its first
-    loss() (the model built, sharded and initialised, before any gradient exists), against the model's size."""
+    loss() (the model built, sharded and initialised, before any gradient exists), against the model's size, and
+    what it held before (a resume's checkpoint is read before datasets())."""
 
     name = "wide"
     Options = WideOptions
@@ -233,10 +234,10 @@ class WideTask(Task[WideOptions]):
         if self.sampler is not None:
             import json
 
-            grown, self.sampler = self.sampler.stop(), None
+            before, grown, self.sampler = self.sampler.before, self.sampler.stop(), None
             full = 4 * self.options.blocks * (self.options.width + 1) * self.options.width
             with open(os.path.join(self.options.memory_log, f"memory-{self.rank}.json"), "w") as record:
-                json.dump({"grown": grown, "full": full}, record)
+                json.dump({"grown": grown, "full": full, "held_before": before}, record)
         return nn.functional.mse_loss(outputs.float(), targets)
 
 

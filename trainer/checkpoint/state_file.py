@@ -1,21 +1,34 @@
 """The whole-state file, ``state.pt``: every part of an unsharded checkpoint (formats 2 and 3), and the non-tensor
 parts of a sharded one. Written by ``torch.save`` (trainer.checkpoint.manager), read with ``weights_only=True``.
 
-Read without holding it twice: a local file is checked in pieces and mapped into memory (``mmap``: its pages are
-read when touched, shared between the processes of a node, and given back under pressure), an object store's is
-downloaded. A resume does not send the state from rank 0 to the others: rank 0 checks the file and sends the state
-with each tensor replaced by a marker (``without_tensors``); every rank then maps the file itself and copies out
-only what it holds (``StateFileSource``): its rows of each tensor under --sync fsdp, the whole tensors under ddp.
+Read without holding it whole: a local file is checked in pieces and mapped into memory (``mmap``: its pages are
+read when touched, shared between the processes of a node, and given back under pressure); an object store's is
+downloaded in pieces, through its checksum, to a temporary file that is mapped the same way.
+
+A resume does not send the state from rank 0 to the others: rank 0 checks the file and sends the state with each
+tensor replaced by a marker (``without_tensors``); every rank then maps the file itself and copies out only what it
+holds (``StateFileSource``): its rows of each tensor under --sync fsdp, the whole tensors under ddp.
 """
 
 from __future__ import annotations
 
-import io
+import contextlib
+import os
+import tempfile
+import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from trainer.checkpoint.reading import STATE_FILE, InvalidCheckpoint, check_size, checked_file, load_failure
+from trainer.checkpoint.reading import (
+    CHECK_PIECE,
+    STATE_FILE,
+    InvalidCheckpoint,
+    check_size,
+    checked_file,
+    load_failure,
+)
 from trainer.checkpoint.schema import SchemaError, TrainingState
 from trainer.checkpoint.shards import MARK
 from trainer.checkpoint.storage import CheckpointStorage
@@ -27,26 +40,56 @@ def load_state_file(storage: CheckpointStorage, name: str, manifest: dict[str, A
                     checksum: bool = True) -> TrainingState:
     """The checkpoint's state file as a TrainingState (its tensors mapped from a local file). ``checksum``: False
     where another rank checked the same file already (only its size is then checked)."""
-    if checksum:
-        source = checked_file(storage, name, STATE_FILE, manifest)
-    else:
-        check_size(storage, name, STATE_FILE, int(manifest["files"][STATE_FILE]["bytes"]))
-        source = storage.local_path(name, STATE_FILE) or storage.read(name, STATE_FILE)
-    try:
-        # weights_only: a checkpoint on shared storage must not be able to run code when loaded.
-        if isinstance(source, str):
-            state = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
-        else:
-            state = torch.load(io.BytesIO(source), map_location="cpu", weights_only=True)
-    except Exception as error:  # noqa: BLE001 - any unpickling failure means the same: unusable
-        raise InvalidCheckpoint(f"{STATE_FILE} does not load with weights_only=True ({load_failure(error)})"
-                                ) from None
+    with _mappable(storage, name, manifest, checksum) as path:
+        try:
+            # weights_only: a checkpoint on shared storage must not be able to run code when loaded.
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as error:  # noqa: BLE001 - any unpickling failure means the same: unusable
+            raise InvalidCheckpoint(f"{STATE_FILE} does not load with weights_only=True ({load_failure(error)})"
+                                    ) from None
     if not isinstance(state, dict):
         raise InvalidCheckpoint(f"{STATE_FILE} holds a {type(state).__name__}, not a training state")
     try:
         return TrainingState.from_dict(state, version)
     except SchemaError as problem:
         raise InvalidCheckpoint(str(problem)) from None
+
+
+@contextlib.contextmanager
+def _mappable(storage: CheckpointStorage, name: str, manifest: dict[str, Any], checksum: bool) -> Iterator[str]:
+    """A local path of the state file, checked: the file itself on a local or mounted file system; from an object
+    store, a temporary copy downloaded in pieces through the checksum (never the whole file in memory), removed
+    once mapped (the mapping keeps it readable)."""
+    size = int(manifest["files"][STATE_FILE]["bytes"])
+    local = storage.local_path(name, STATE_FILE)
+    if local is not None:
+        if checksum:
+            checked_file(storage, name, STATE_FILE, manifest)
+        else:
+            check_size(storage, name, STATE_FILE, size)
+        yield local
+        return
+    check_size(storage, name, STATE_FILE, size)
+    descriptor, path = tempfile.mkstemp(prefix="ddp-deploy-state-", suffix=".pt")
+    try:
+        crc, done = 0, 0
+        with os.fdopen(descriptor, "wb") as copy:
+            while done < size:
+                piece = storage.read_range(name, STATE_FILE, done, min(CHECK_PIECE, size - done))
+                if not piece:
+                    break
+                copy.write(piece)
+                crc, done = zlib.crc32(piece, crc), done + len(piece)
+        if done != size:
+            raise InvalidCheckpoint(f"{STATE_FILE} has {done} bytes, the manifest says {size}")
+        if f"{crc:08x}" != str(manifest["files"][STATE_FILE]["crc32"]):
+            raise InvalidCheckpoint(f"{STATE_FILE} does not match the manifest's crc32 checksum (corrupted)")
+        yield path
+    except OSError as error:
+        raise InvalidCheckpoint(f"{STATE_FILE} unreadable ({error.strerror or error})") from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def without_tensors(value: Any, path: tuple[Any, ...] = ()) -> Any:
@@ -75,10 +118,8 @@ class StateFileSource:
         self._parts: dict[str, Any] | None = None
 
     def prepare(self, wanted: Any) -> None:
-        if self._parts is None:
-            # The object store's download is checked here too: it is this rank's own copy of the bytes.
-            checksum = self.storage.local_path(self.name, STATE_FILE) is None
-            self._parts = load_state_file(self.storage, self.name, self.manifest, self.version, checksum).parts
+        if self._parts is None:  # rank 0 checked the file's checksum (an object store's copy is checked anyway)
+            self._parts = load_state_file(self.storage, self.name, self.manifest, self.version, checksum=False).parts
 
     def rows(self, marker: dict[str, Any], first: int, count: int) -> torch.Tensor:
         return self._at(marker)[first:first + count].clone()
