@@ -5,7 +5,8 @@ it (each tensor put together from every rank's rows, one process, no process gro
 verified against its manifest first. OUTPUT ending in ``.safetensors`` is written with safetensors (installed
 separately: ``pip install safetensors``), tied weights once (the others named in its metadata, ``TIED_KEY``);
 anything else as a torch file of plain tensors, which
-``torch.load(OUTPUT, weights_only=True)`` reads: ``model.load_state_dict(torch.load(OUTPUT, weights_only=True))``.
+``torch.load(OUTPUT, weights_only=True)`` reads: ``model.load_state_dict(torch.load(OUTPUT, weights_only=True))``;
+``--format dcp`` as a torch.distributed.checkpoint folder (TorchTitan's layout, which ``--init-from`` reads).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from trainer.checkpoint.verification import verify_path
 from trainer.errors import EXIT_OK, EXIT_USAGE
 from trainer.redact import RedactingArgumentParser, redact
 
-__all__ = ["TIED_KEY", "export_weights", "main", "untied"]
+__all__ = ["FORMATS", "TIED_KEY", "export_weights", "main", "untied"]
 
 # The safetensors metadata entry that names the tied weights written once: {"lm_head.weight": "embed.weight"}.
 TIED_KEY = "ddp-deploy.tied"
@@ -35,8 +36,15 @@ class ExportError(Exception):
     """Why a checkpoint cannot be exported, in one line."""
 
 
-def export_weights(checkpoint: str, output: str) -> int:
-    """Write the checkpoint's model weights to ``output``; returns the number of tensors written."""
+FORMATS = ("auto", "torch", "safetensors", "dcp")
+
+
+def export_weights(checkpoint: str, output: str, kind: str = "auto") -> int:
+    """Write the checkpoint's model weights to ``output``; returns the number of tensors written. ``kind``: auto
+    (by the output's name: .safetensors, else torch), torch, safetensors, or dcp (a torch.distributed.checkpoint
+    folder, the model's tensors at its top level by name: TorchTitan's layout, which --init-from reads)."""
+    if kind == "auto":
+        kind = "safetensors" if output.endswith(".safetensors") else "torch"
     try:
         loaded = verify_path(checkpoint)
         source = loaded.shard_source()
@@ -50,7 +58,9 @@ def export_weights(checkpoint: str, output: str) -> int:
     tensors = {key: value.detach() for key, value in weights.items() if isinstance(value, torch.Tensor)}
     Path(output).parent.mkdir(parents=True, exist_ok=True)
     partial = f"{output}.partial"
-    if output.endswith(".safetensors"):
+    if kind == "dcp":
+        return _write_dcp(tensors, output)
+    if kind == "safetensors":
         try:
             from safetensors.torch import save_file
         except ImportError:
@@ -65,6 +75,25 @@ def export_weights(checkpoint: str, output: str) -> int:
         # torch.save keeps tied weights tied (one storage, two names), as load_state_dict expects them.
         torch.save({key: value.contiguous() for key, value in tensors.items()}, partial)
     os.replace(partial, output)  # a reader never finds half a file under the name
+    return len(tensors)
+
+
+def _write_dcp(tensors: dict[str, torch.Tensor], output: str) -> int:
+    """A DCP folder written by torch's own writer (one process), under a temporary name, then renamed: a reader
+    never finds half a folder under the name."""
+    import shutil
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    if Path(output).exists():
+        raise ExportError(f"{output} exists; a DCP export writes a new folder: remove it or name another")
+    partial = f"{output}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: the intent
+        dcp.save({key: value.contiguous() for key, value in tensors.items()}, checkpoint_id=partial, no_dist=True)
+    os.replace(partial, output)
     return len(tensors)
 
 
@@ -93,10 +122,14 @@ def untied(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], d
 def main(argv: Sequence[str] | None = None) -> int:
     parser = RedactingArgumentParser(prog="ddp-export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a checkpoint folder (step-NNNNNNNN), local or a storage URL")
-    parser.add_argument("output", help="the file to write: NAME.safetensors, or NAME.pt (torch, weights only)")
+    parser.add_argument("output", help="the file to write: NAME.safetensors, or NAME.pt (torch, weights only); a "
+                                           "folder with --format dcp")
+    parser.add_argument("--format", choices=FORMATS, default="auto",
+                        help="auto (by the output's name), torch, safetensors, or dcp (a torch.distributed.checkpoint "
+                             "folder, the model's tensors by name at its top level, as TorchTitan keeps them)")
     args = parser.parse_args(argv)
     try:
-        count = export_weights(args.checkpoint, args.output)
+        count = export_weights(args.checkpoint, args.output, args.format)
     except ExportError as problem:
         print(f"ddp-export: {redact(str(problem), args.checkpoint)}", file=sys.stderr)
         return EXIT_USAGE

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from tests.support.checkpoint_reading import state_at
 from trainer.checkpoint import CheckpointManager, Monitor
@@ -51,3 +52,10 @@ def test_tied_weights_are_written_once_to_safetensors_and_named_and_stay_tied_in
     loaded = torch.load(tmp_path / "weights.pt", weights_only=True)
     assert loaded["head.weight"].data_ptr() == loaded["weight"].data_ptr()  # still one tensor
     assert torch.equal(loaded["first_rows"], embedding[:2])
+
+    # A DCP folder, read back by torch's own reader: every name, tied ones too, at the top level.
+    assert export_weights(checkpoint, str(tmp_path / "weights-dcp"), "dcp") == 4
+    read_back = {key: torch.empty_like(value) for key, value in loaded.items()}
+    dcp.load(read_back, checkpoint_id=str(tmp_path / "weights-dcp"), no_dist=True)
+    assert all(torch.equal(read_back[key], value) for key, value in loaded.items())
+    assert not (tmp_path / "weights-dcp.partial").exists()
