@@ -12,9 +12,11 @@ anything else as a torch file of plain tensors, which
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -47,7 +49,10 @@ def export_weights(checkpoint: str, output: str, kind: str = "auto") -> int:
         kind = "safetensors" if output.endswith(".safetensors") else "torch"
     try:
         loaded = verify_path(checkpoint)
-        source = loaded.shard_source()
+        # A sharded checkpoint's tensors are read into memory mapped from files beside the output (removed at
+        # once: the mappings keep them), which the kernel writes back and frees under pressure, so the export
+        # does not hold the model (a DDP checkpoint's state file is mapped already).
+        source = loaded.shard_source(allocate=_file_backed(Path(output).resolve().parent))
         weights = fit_all(loaded.state.model, None, source)
     except (InvalidCheckpoint, UnknownFormat, ValueError) as problem:
         raise ExportError(f"{checkpoint}: {problem}") from None
@@ -76,6 +81,26 @@ def export_weights(checkpoint: str, output: str, kind: str = "auto") -> int:
         torch.save({key: value.contiguous() for key, value in tensors.items()}, partial)
     os.replace(partial, output)  # a reader never finds half a file under the name
     return len(tensors)
+
+
+# Tensors smaller than this are read into plain memory: a file each would cost more than they hold.
+FILE_BACKED_BYTES = 1 << 20
+
+
+def _file_backed(folder: Path) -> Callable[[list[int], torch.dtype], torch.Tensor]:
+    def allocate(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+        count = math.prod(shape)
+        if count * torch.empty((), dtype=dtype).element_size() < FILE_BACKED_BYTES:
+            return torch.empty(shape, dtype=dtype)
+        folder.mkdir(parents=True, exist_ok=True)
+        descriptor, path = tempfile.mkstemp(prefix=".ddp-export-", dir=folder)
+        os.close(descriptor)
+        try:
+            return torch.from_file(path, shared=True, size=count, dtype=dtype).view(shape)
+        finally:
+            os.unlink(path)
+
+    return allocate
 
 
 def _write_dcp(tensors: dict[str, torch.Tensor], output: str) -> int:

@@ -8,9 +8,9 @@ quick: 2 x 128 x 128), through the trainer's CheckpointManager and state parts (
   memory    each rank's peak memory growth (RssAnon) during a restore, against its share (the bytes of its
             parameters and AdamW state): resuming fsdp at 2 ranks, converting a DDP checkpoint to fsdp, resharding
             2 -> 3 ranks; and a sharded checkpoint restored under ddp against the whole state, which ddp holds;
-  read      bytes of checkpoint each rank reads on a reshard 2 -> 3, against its share: DCP reads whole saved
-            chunks (one per saved rank and tensor) and keeps the rows it needs, so a rank whose rows straddle two
-            saved chunks reads both.
+  read      bytes of checkpoint each rank reads on a reshard 2 -> 3 (and 8 -> 5 on small tensors), against its
+            share: DCP reads whole saved chunks (one per saved rank and tensor) and keeps the rows it needs, so a
+            rank whose rows straddle two saved chunks reads both.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from bench.harness.results import FigureResult, Goal, Row
 from devtools.processes import torchrun
 
 TITLE = "Sharded checkpoints (DCP inside): save, resume, memory and bytes read at 2 ranks"
+SMALL = (256, 4)  # width and blocks of the 8-rank runs
 
 
 def _phase(ctx: Context, phase: str, sync: str, ranks: int, folder: str, width: int, blocks: int) -> list[dict]:
@@ -35,10 +36,15 @@ def _phase(ctx: Context, phase: str, sync: str, ranks: int, folder: str, width: 
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 
 
+def _size(count: float) -> str:
+    return f"{count / 1e6:.0f} MB" if count >= 1e7 else f"{count / 1e3:.0f} kB"
+
+
 def run(ctx: Context) -> FigureResult:
     load_before = load_average()
     width, blocks = ctx.pick((2048, 24), (128, 2))
     sharded, plain = str(ctx.scratch("sharded-checkpoints-fsdp")), str(ctx.scratch("sharded-checkpoints-ddp"))
+    many = str(ctx.scratch("sharded-checkpoints-8"))
     measured = {
         "save fsdp": _phase(ctx, "save", "fsdp", 2, sharded, width, blocks),
         "save ddp": _phase(ctx, "save", "ddp", 2, plain, width, blocks),
@@ -46,14 +52,16 @@ def run(ctx: Context) -> FigureResult:
         "ddp to fsdp": _phase(ctx, "resume", "fsdp", 2, plain, width, blocks),
         "fsdp to ddp": _phase(ctx, "resume", "ddp", 2, sharded, width, blocks),
         "reshard 2 to 3": _phase(ctx, "resume", "fsdp", 3, sharded, width, blocks),
+        # The counts at 8 ranks, on small tensors (8 processes on this machine's cores).
+        "save fsdp x8": _phase(ctx, "save", "fsdp", 8, many, SMALL[0], SMALL[1]),
+        "reshard 8 to 5": _phase(ctx, "resume", "fsdp", 5, many, SMALL[0], SMALL[1]),
     }
     save, resume = measured["save fsdp"][0], measured["resume fsdp"][0]
-    mb = 1e6
 
     def worst(name: str, key: str, over: str) -> tuple[float, str]:
         ratios = [(record[key] / record[over], record) for record in measured[name]]
         ratio, record = max(ratios, key=lambda pair: pair[0])
-        return ratio, f"rank {record['rank']}: {record[key] / mb:.0f} MB against {record[over] / mb:.0f} MB"
+        return ratio, f"rank {record['rank']}: {_size(record[key])} against {_size(record[over])}"
 
     rows = [Row("sharded save (format 5) / one torch.save per rank of the same tensors",
                 save["save_s"] / save["raw_save_s"], Goal("<=", 1.5),
@@ -72,6 +80,9 @@ def run(ctx: Context) -> FigureResult:
     ratio, notes = worst("reshard 2 to 3", "bytes_read", "share")
     rows.append(Row("bytes read per rank on a reshard 2 -> 3 / its share", ratio,
                     notes=f"worst {notes}; whole saved chunks are read (reported, no goal)"))
+    ratio, notes = worst("reshard 8 to 5", "bytes_read", "share")
+    rows.append(Row("bytes read per rank on a reshard 8 -> 5 (4 x 256 x 256) / its share", ratio,
+                    notes=f"worst {notes}; reported, no goal"))
     ratio, notes = worst("resume fsdp", "bytes_read", "share")
     rows.append(Row("bytes read per rank on a resume at 2 ranks / its share", ratio, Goal("<=", 1.05),
                     notes=f"worst {notes}"))

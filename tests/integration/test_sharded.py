@@ -254,6 +254,14 @@ def test_a_tasks_init_weights_starts_ddp_and_meta_init_fsdp_runs_from_the_same_w
     assert "--meta-init: model built on the meta device" in result.stderr, result.stderr[-3000:]  # the fsdp run
     for name, expected in trained_models["ddp"].items():
         assert torch.allclose(trained_models["fsdp"][name], expected, rtol=0, atol=1e-6), name
+    # docs/sharded.md's recipe: the fsdp run's checkpoint into a user's own FSDP2 model, with torch alone.
+    folder = sorted((tmp_path / "fsdp" / "checkpoints").glob("step-*"))[-1]
+    recipe = torchrun([str(folder), "8", "3"], nproc=2, module="tests.workers.dcp_recipe")
+    assert recipe.returncode == 0, recipe.stderr[-3000:]
+    sums = [json.loads(line)["sums"] for line in recipe.stdout.splitlines() if line.startswith("{")]
+    expected = {name: float(value.double().sum()) for name, value in trained_models["fsdp"].items()}
+    assert len(sums) == 2 and all(found == pytest.approx(expected, rel=0, abs=1e-9) for found in sums), (sums,
+                                                                                                         expected)
 
 
 def test_hsdp_shards_within_each_node_and_replicates_across_two(uninterrupted, tmp_path):

@@ -26,7 +26,7 @@ import io
 import json
 import pickle
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -395,8 +395,11 @@ class DcpSource:
     what this run holds: a sharded tensor gets this rank's rows of it, read from the chunks that hold them; a plain
     one the whole tensor. ``fit`` (trainer.checkpoint.shards) then takes them by their markers."""
 
-    def __init__(self, storage: CheckpointStorage, folder: str, manifest: dict[str, Any] | None, group: Any) -> None:
+    def __init__(self, storage: CheckpointStorage, folder: str, manifest: dict[str, Any] | None, group: Any,
+                 allocate: Callable[[list[int], torch.dtype], torch.Tensor] | None = None) -> None:
         self.storage, self.folder, self.manifest, self.group = storage, folder, manifest, group
+        # Where a whole tensor is read into (ddp-export gives file-backed memory, to write it out without holding it).
+        self.allocate = allocate or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
         self._loaded: dict[str, torch.Tensor] = {}
         self.bytes_read = 0
 
@@ -412,7 +415,7 @@ class DcpSource:
             if isinstance(template, DTensor) and list(template.shape) == shape:
                 targets[marker[MARK]] = torch.empty_like(template, dtype=dtype)
             else:
-                targets[marker[MARK]] = torch.empty(shape, dtype=dtype)
+                targets[marker[MARK]] = self.allocate(shape, dtype)
         if not targets:
             return
         items = None

@@ -36,13 +36,15 @@ class LoadedCheckpoint:
                               state.per_rank, state.shards)
         return replace(self, state=light, tensors_in_state_file=True)
 
-    def shard_source(self, group: Any = None) -> shards.ShardSource | dcp_files.DcpSource | StateFileSource | None:
+    def shard_source(self, group: Any = None, allocate: Any = None
+                     ) -> shards.ShardSource | dcp_files.DcpSource | StateFileSource | None:
         """Where the checkpoint's tensors are read from, each read checked: format 5's DCP files (a collective read
         over ``group``, every rank at once, each range checked by its reader), format 4's shard files, and the
-        state file when the state was sent without its tensors (for_every_rank)."""
+        state file when the state was sent without its tensors (for_every_rank). ``allocate(shape, dtype)``: where
+        DCP reads a whole tensor into (default: memory)."""
         storage, name = open_storage(self.folder[0]), self.folder[1]
         if self.manifest.get("format") == DCP_FORMAT:
-            return dcp_files.DcpSource(storage, name, self.manifest, group)
+            return dcp_files.DcpSource(storage, name, self.manifest, group, allocate)
         if self.tensors_in_state_file:
             return StateFileSource(storage, name, self.manifest, int(self.manifest["format"]))
         if self.state.shards is None:
