@@ -242,7 +242,7 @@ def state_parts(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torc
         model.load_state_dict(saved)
 
     def restore_optimizer(saved: dict[str, Any], _: RestoreContext) -> None:
-        optimizer.load_state_dict(by_index(saved, names))
+        optimizer.load_state_dict(by_index(saved, optimizer, names))
 
     # Only the optimizer step changes the parameters (buffers such as BatchNorm's statistics change in the
     # forward pass) and the optimizer's state: an asynchronous save copies those during the next step.
@@ -251,7 +251,7 @@ def state_parts(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torc
     # Version 2: keyed by parameter name (version 1: by index in the optimizer, this run's order).
     parts.add(StatePart("optimizer", lambda: by_name(optimizer.state_dict(), names), restore_optimizer,
                         opaque=True, changed_by_step_only=lambda path: path.startswith("/state/"), version=2,
-                        upgrade=lambda _, saved: index_to_name(saved, names),
+                        upgrade=lambda _, saved: index_to_name(saved, names), oldest=1,
                         template=lambda saved: _optimizer_template(saved, model)))
     parts.add(StatePart("grad_scaler", scaler.state_dict, lambda saved, _: scaler.load_state_dict(saved),
                         opaque=True))

@@ -34,22 +34,33 @@ def by_name(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
                              for group in state["param_groups"]]}
 
 
-def by_index(saved: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    """A state saved by name, keyed by this optimizer's indices again (what ``load_state_dict`` takes); ValueError
-    names what does not match this model's parameters."""
+def by_index(saved: dict[str, Any], optimizer: torch.optim.Optimizer, names: list[str]) -> dict[str, Any]:
+    """A state saved by name in the layout ``optimizer.load_state_dict`` takes: keyed by this optimizer's indices,
+    each group's parameters listed in this optimizer's order (load_state_dict pairs saved and current parameters
+    by position: the saved order would give one parameter another's moments after a refactor reordered them).
+    ValueError names what does not match this model's parameters or groups."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list):
+        raise ValueError("the checkpoint's optimizer state does not have the layout this trainer writes")
     index = {name: position for position, name in enumerate(names)}
-    groups = saved.get("param_groups", [])
+    groups, current = saved["param_groups"], optimizer.param_groups
+    if len(groups) != len(current):
+        raise ValueError(f"the checkpoint's optimizer has {len(groups)} parameter group(s), this one {len(current)}")
     listed = [name for group in groups for name in group.get("params", [])]
-    unknown = [name for name in [*listed, *saved.get("state", {})] if name not in index]
+    unknown = sorted({name for name in [*listed, *saved.get("state", {})] if name not in index}, key=str)
     if unknown:
-        listed_unknown = ", ".join(sorted(set(unknown))[:5])
-        raise ValueError(f"the checkpoint's optimizer holds state for parameter(s) {listed_unknown}, which this model "
-                         f"does not have")
-    absent = [name for name in names if name not in set(listed)]
-    if absent:
-        raise ValueError(f"the checkpoint's optimizer has no parameter(s) {', '.join(absent[:5])} of this model")
+        raise ValueError(f"the checkpoint's optimizer holds state for parameter(s) {', '.join(map(str, unknown[:5]))}, "
+                         f"which this model does not have")
+    start, laid_out = 0, []
+    for number, (group, now) in enumerate(zip(groups, current, strict=True)):
+        mine = list(range(start, start + len(now["params"])))
+        start += len(now["params"])
+        if {index[name] for name in group.get("params", [])} != set(mine):
+            differ = sorted({names[i] for i in mine} ^ set(group.get("params", [])))
+            raise ValueError(f"parameter group {number} of the checkpoint's optimizer holds other parameters than "
+                             f"this one's ({', '.join(differ[:5])})")
+        laid_out.append({**group, "params": mine})
     return {**saved, "state": {index[name]: entry for name, entry in saved.get("state", {}).items()},
-            "param_groups": [{**group, "params": [index[name] for name in group["params"]]} for group in groups]}
+            "param_groups": laid_out}
 
 
 def index_to_name(saved: dict[str, Any], names: list[str]) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -349,6 +350,27 @@ def test_a_damaged_shard_file_is_refused_in_one_line_and_export_puts_a_checkpoin
                                                  f"none of DCP's metadata types: refused (a pickle can run code when "
                                                  f"loaded)")
     assert not witness.exists()
+
+
+def test_a_fault_on_one_rank_around_dcp_stops_every_rank_at_once_in_its_words(tmp_path):
+    """Rank 1 alone cannot read the checkpoint's .metadata on resume, then, in another run, fails its copies
+    before a save: every rank stops at once with rank 1's line (with no agreement first, the others waited in
+    DCP's collectives until a timeout, and the line they gave blamed the network or the storage)."""
+    args = [*ARGS, "--batch-size", str(GLOBAL_BATCH // 2), "--output-dir", str(tmp_path), "--sync", "fsdp",
+            "--collective-timeout-s", "120", "--checkpoint-timeout-s", "120"]
+    launch(2, tmp_path, "--max-steps", "2")
+    for fault, expected in (("load-metadata", "step-00000002: .metadata unreadable (Input/output error); use "
+                                              "--resume with an older checkpoint or --resume none"),
+                            ("save-before", "rank 1 could not write its shards: RuntimeError: CUDA error: an illegal "
+                                            "memory access was encountered (injected)")):
+        started = time.monotonic()
+        resume = "none" if fault == "save-before" else "latest"
+        result = torchrun([fault, *args, "--resume", resume, "--max-steps", "4", "--checkpoint-every", "1"], nproc=2,
+                          module="tests.workers.one_rank_fails")
+        elapsed = time.monotonic() - started
+        lines = [line for line in result.stderr.splitlines() if "] error:" in line]
+        assert len(lines) == 2 and all(expected in line for line in lines), (fault, lines, result.stderr[-3000:])
+        assert elapsed < 60, (fault, elapsed)  # well inside the 120 s timeouts
 
 
 def test_init_from_starts_from_another_tools_dcp_weights_and_refuses_what_does_not_fit(uninterrupted, tmp_path):

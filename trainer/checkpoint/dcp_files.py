@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import pickle
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -37,10 +38,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageMeta,
     TensorProperties,
+    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -76,6 +80,14 @@ _METADATA_TYPES = {
     ("torch", "Size"), ("torch.serialization", "_get_layout"), ("torch.serialization", "_MEM_FORMAT_ENCODING"),
     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("collections", "OrderedDict"),
 }
+
+
+# The chunks of one tensor this trainer reads at most: one per rank that wrote it (a pairwise check of chunks
+# that are not row slabs, TorchTitan's tensor-parallel ones, costs their square).
+MAX_CHUNKS = 4096
+# DCP's records, the only objects whose fields the metadata may set.
+_RECORDS = (Metadata, TensorStorageMetadata, BytesStorageMetadata, ChunkStorageMetadata, TensorProperties,
+            MetadataIndex, StorageMeta, _StorageInfo)
 
 
 def data_file(rank: int) -> str:
@@ -160,16 +172,18 @@ class Written:
 
 
 def save(tensors: dict[str, torch.Tensor], layout: dict[str, tuple[torch.Size, torch.Size]],
-         storage: CheckpointStorage, folder: str, rank: int, group: Any) -> Written:
+         storage: CheckpointStorage, folder: str, rank: int, group: Any, failed: BaseException | None = None
+         ) -> Written:
     """Write this rank's share of the tensors into ``folder`` (a DCP save: collective over ``group``, or alone
-    where there is no process group); the rank that coordinates writes ``.metadata`` too."""
+    where there is no process group); the rank that coordinates writes ``.metadata`` too. ``failed``: what went
+    wrong on this rank before (its copies): the save is entered anyway and fails on every rank with it."""
     state_dict: dict[str, Any] = {key: Shard(tensor, *layout[key]) if key in layout else tensor
                                   for key, tensor in tensors.items()}
     writer = _Writer(storage, folder, rank)
     alone = not dist.is_initialized()
     try:
         with _quiet_when(alone):
-            dcp.save(state_dict, storage_writer=writer, planner=_SavePlanner(),
+            dcp.save(state_dict, storage_writer=writer, planner=_SavePlanner(failed),
                      process_group=None if alone else group, no_dist=alone)
     except CheckpointException as failed:  # a BaseException: an `except Exception` would let it end the thread
         raise RankFailed(*first_failure(failed, rank)) from None
@@ -177,8 +191,14 @@ def save(tensors: dict[str, torch.Tensor], layout: dict[str, tuple[torch.Size, t
 
 
 class _SavePlanner(DefaultSavePlanner):
-    def __init__(self) -> None:
+    def __init__(self, failed: BaseException | None = None) -> None:
         super().__init__(flatten_state_dict=False)  # the keys are flat already, as DCP would have made them
+        self.failed = failed
+
+    def create_local_plan(self) -> SavePlan:
+        if self.failed is not None:  # raised inside DCP's first exchange: every rank learns it there
+            raise _plain(self.failed)
+        return super().create_local_plan()
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         value = self.state_dict[index.fqn]
@@ -221,7 +241,10 @@ class _Writer(StorageWriter):
                 offset += len(payload)
 
         if plan.items:
-            self.files[filename] = self.storage.write_file(self.folder, filename, write)
+            try:
+                self.files[filename] = self.storage.write_file(self.folder, filename, write)
+            except Exception as error:  # noqa: BLE001 - DCP sends it to every rank: a plain, picklable one
+                raise _plain(error) from None
         done: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
         done.set_result(results)
         return done
@@ -254,6 +277,22 @@ def _quiet_when(alone: bool) -> Iterator[None]:
         yield
 
 
+class Relayed(RuntimeError):
+    """Another rank's error as DCP relays it: its type's name and its words, in one line."""
+
+
+def _plain(error: BaseException) -> Exception:
+    """An error DCP can send to the other ranks (it pickles them): an OSError as its number and words, anything
+    else as its one line."""
+    if isinstance(error, InvalidCheckpoint):
+        return error
+    if isinstance(error, OSError):
+        return OSError(error.errno, str(error.strerror or error))
+    if isinstance(error, Relayed):
+        return error
+    return Relayed(f"{type(error).__name__}: {' '.join(str(error).split())[:300]}")
+
+
 def _serialised(data: torch.Tensor | io.BytesIO) -> memoryview | bytes:
     if isinstance(data, io.BytesIO):
         return data.getbuffer()
@@ -266,7 +305,9 @@ def _serialised(data: torch.Tensor | io.BytesIO) -> memoryview | bytes:
 
 
 # -- loading --------------------------------------------------------------------------------------------------
-class _MetadataUnpickler(pickle.Unpickler):
+class _MetadataUnpickler(pickle._Unpickler):  # the Python one: its BUILD can be checked (the C one's cannot)
+    dispatch = dict(pickle._Unpickler.dispatch)
+
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _METADATA_TYPES:
             return super().find_class(module, name)
@@ -278,25 +319,97 @@ class _MetadataUnpickler(pickle.Unpickler):
     def persistent_load(self, pid: Any) -> Any:
         raise InvalidCheckpoint(f"{DCP_METADATA} holds a persistent reference, which DCP's metadata never does")
 
+    def _build(self) -> None:
+        # BUILD sets attributes of the object under it: only ever the fields of one of DCP's own records (on a
+        # class or a function it would change them for the whole process).
+        target, state = self.stack[-2], self.stack[-1]
+        slots = state[1] if isinstance(state, tuple) and len(state) == 2 and type(target) is not TensorProperties \
+            else None
+        if type(target) not in _RECORDS or slots is not None:
+            raise InvalidCheckpoint(f"{DCP_METADATA} sets attributes of {type(target).__name__}, which DCP's "
+                                    f"metadata never does: refused")
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = _build
+
 
 def read_metadata(data: bytes) -> Metadata:
-    """DCP's metadata from its bytes, admitting its own types only."""
+    """DCP's metadata from its bytes, admitting its own types only, and its layout checked: every tensor's chunks
+    lie inside it, cover it exactly once and have their place in a file of the folder."""
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except InvalidCheckpoint:
         raise
     except Exception as error:  # noqa: BLE001 - any unpickling failure means the same: unusable
         raise InvalidCheckpoint(f"{DCP_METADATA} does not load ({load_failure(error)})") from None
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict) \
+            or not isinstance(metadata.state_dict_metadata, dict):
         raise InvalidCheckpoint(f"{DCP_METADATA} holds a {type(metadata).__name__}, not DCP's metadata")
-    for info in metadata.storage_data.values():
-        if not isinstance(info, _StorageInfo) or not is_plain_name(str(info.relative_path)):
-            raise InvalidCheckpoint(f"{DCP_METADATA} places an item in {getattr(info, 'relative_path', info)!r}, "
-                                    f"not a file of the checkpoint folder")
-        if info.transform_descriptors:
-            raise InvalidCheckpoint(f"{DCP_METADATA}: items written through DCP extensions "
-                                    f"({', '.join(info.transform_descriptors)}), which this trainer does not read")
+    try:
+        for info in metadata.storage_data.values():
+            if not isinstance(info, _StorageInfo) or not is_plain_name(str(info.relative_path)):
+                where = getattr(info, "relative_path", info)
+                raise InvalidCheckpoint(f"{DCP_METADATA} places an item in {where!r}, not a file of the checkpoint "
+                                        f"folder")
+            if info.transform_descriptors:
+                raise InvalidCheckpoint(f"{DCP_METADATA}: items written through DCP extensions ("
+                                        f"{', '.join(map(str, info.transform_descriptors))}), which this trainer "
+                                        f"does not read")
+            if int(info.offset) < 0 or int(info.length) < 0:
+                raise InvalidCheckpoint(f"{DCP_METADATA} places an item at a negative offset or length")
+        for key, value in metadata.state_dict_metadata.items():
+            if isinstance(value, TensorStorageMetadata):
+                _check_chunks(str(key), value, metadata.storage_data)
+    except InvalidCheckpoint:
+        raise
+    except Exception as error:  # noqa: BLE001 - fields of the wrong types: a foreign or damaged file
+        raise InvalidCheckpoint(f"{DCP_METADATA} does not have DCP's layout ({load_failure(error)})") from None
     return metadata
+
+
+def _check_chunks(key: str, value: TensorStorageMetadata, storage_data: dict[Any, Any]) -> None:
+    """A tensor's chunks inside it, none twice, none overlapping, covering it exactly, each with its place in a
+    file (a hostile metadata could have every rank read one chunk a million times, or leave rows unread)."""
+    size, chunks = [int(dim) for dim in value.size], list(value.chunks)
+    if len(chunks) > MAX_CHUNKS:
+        raise InvalidCheckpoint(f"{DCP_METADATA}: {key} is in {len(chunks)} chunks, more than this trainer reads "
+                                f"({MAX_CHUNKS})")
+    boxes = []
+    for chunk in chunks:
+        offsets, sizes = [int(dim) for dim in chunk.offsets], [int(dim) for dim in chunk.sizes]
+        if len(offsets) != len(size) or len(sizes) != len(size) or any(
+                low < 0 or extent < 0 or low + extent > whole for low, extent, whole in zip(offsets, sizes, size,
+                                                                                            strict=True)):
+            raise InvalidCheckpoint(f"{DCP_METADATA}: a chunk of {key} lies outside its shape {size}")
+        if MetadataIndex(key, torch.Size(offsets)) not in storage_data:
+            raise InvalidCheckpoint(f"{DCP_METADATA}: a chunk of {key} has no place in any file")
+        boxes.append((offsets, sizes))
+    if sum(math.prod(sizes) for _, sizes in boxes) != math.prod(size):
+        raise InvalidCheckpoint(f"{DCP_METADATA}: the chunks of {key} do not cover it exactly once")
+    # Equal volumes and no two chunks overlapping: each element exactly once (a 0-d tensor: one chunk, by volume).
+    if not size:
+        return
+    if all(offsets[1:] == [0] * (len(size) - 1) and sizes[1:] == size[1:] for offsets, sizes in boxes):
+        rows = sorted((offsets[0], sizes[0]) for offsets, sizes in boxes if sizes[0])
+        if any(first + count > following for (first, count), (following, _) in zip(rows, rows[1:], strict=False)):
+            raise InvalidCheckpoint(f"{DCP_METADATA}: chunks of {key} overlap")
+        return
+    for number, (offsets, sizes) in enumerate(boxes):
+        for other, other_sizes in boxes[number + 1:]:
+            if all(min(a + n, b + m) > max(a, b) for a, n, b, m in zip(offsets, sizes, other, other_sizes,
+                                                                       strict=True)) and math.prod(sizes):
+                raise InvalidCheckpoint(f"{DCP_METADATA}: chunks of {key} overlap")
+
+
+def agree(group: Any, error: str | None) -> None:
+    """Every rank's outcome of what it read alone before a collective DCP read: the first failure raised on every
+    rank (a rank that quit before the collective would leave the others waiting in it until its timeout)."""
+    if dist.is_initialized() and group is not None:
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, error, group=group)
+        error = next((line for line in everyone if line), None)
+    if error:
+        raise InvalidCheckpoint(error)
 
 
 class _LoadPlanner(DefaultLoadPlanner):
@@ -338,11 +451,19 @@ class _Reader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        try:
+            self._read(plan, planner)
+        except Exception as error:  # noqa: BLE001 - DCP sends it to every rank: one line, picklable
+            raise error if isinstance(error, InvalidCheckpoint) else InvalidCheckpoint(load_failure(error)) from None
+        done: torch.futures.Future[None] = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+    def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         for item in sorted(plan.items, key=lambda request: self._where(request)):
+            if item.type == LoadItemType.BYTE_IO:  # this trainer asks for tensors only
+                raise InvalidCheckpoint(f"{item.storage_index.fqn} is not a tensor in the checkpoint")
             data = self._checked(self.storage_data[item.storage_index])
-            if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(data))
-                continue
             try:
                 tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             except Exception as error:  # noqa: BLE001 - a foreign file's item: unusable, said in one line
@@ -357,9 +478,6 @@ class _Reader(StorageReader):
                                         f"its metadata says {list(target.size())}")
             target.copy_(tensor)
             planner.commit_tensor(item, target)
-        done: torch.futures.Future[None] = torch.futures.Future()
-        done.set_result(None)
-        return done
 
     def _where(self, request: ReadItem) -> tuple[str, int]:
         info = self.storage_data[request.storage_index]
@@ -405,7 +523,39 @@ class DcpSource:
 
     def prepare(self, wanted: Iterable[tuple[dict[str, Any], Any]]) -> None:
         """Read every marked tensor at once: ``wanted`` pairs each marker with this run's tensor at its place
-        (a DTensor: only its rows are read) or None (the whole tensor)."""
+        (a DTensor: only its rows are read) or None (the whole tensor). What each rank reads alone first (the
+        metadata, the checksums) is agreed on before the collective read, so that a rank that fails there fails
+        every rank at once, in its words."""
+        wanted = list(wanted)
+        if not wanted:  # the same on every rank: nothing to read, no collective
+            return
+        alone = not dist.is_initialized()
+        error, targets, reader = None, {}, None
+        try:
+            targets = self._targets(wanted)
+            reader = _Reader(self.storage, self.folder, self.manifest, self._items())
+            for key, target in targets.items():
+                found = reader.metadata.state_dict_metadata.get(key)
+                if not isinstance(found, TensorStorageMetadata) or list(found.size) != list(target.shape):
+                    held = f"of shape {list(found.size)}" if isinstance(found, TensorStorageMetadata) else "none"
+                    raise InvalidCheckpoint(f"its metadata holds {held} for {key}, which is a tensor of shape "
+                                            f"{list(target.shape)} here")
+        except InvalidCheckpoint as problem:
+            error = str(problem)
+        except OSError as problem:
+            error = f"{self.folder} unreadable ({problem.strerror or problem})"
+        agree(None if alone else self.group, error)
+        assert reader is not None
+        try:
+            with _quiet_when(alone):
+                dcp.load(targets, storage_reader=reader, planner=_LoadPlanner(),
+                         process_group=None if alone else self.group, no_dist=alone)
+        except CheckpointException as failed:
+            raise InvalidCheckpoint(failure_line(failed)) from None
+        self.bytes_read = reader.bytes_read
+        self._loaded = targets
+
+    def _targets(self, wanted: list[tuple[dict[str, Any], Any]]) -> dict[str, torch.Tensor]:
         targets: dict[str, torch.Tensor] = {}
         for marker, template in wanted:
             dtype = getattr(torch, str(marker["dtype"]), None)
@@ -416,26 +566,21 @@ class DcpSource:
                 targets[marker[MARK]] = torch.empty_like(template, dtype=dtype)
             else:
                 targets[marker[MARK]] = self.allocate(shape, dtype)
-        if not targets:
-            return
-        items = None
-        if self.manifest is not None:
-            try:
-                items = json.loads(checked_read(self.storage, self.folder, ITEMS, self.manifest))
-            except ValueError as error:
-                raise InvalidCheckpoint(f"{ITEMS} is not valid JSON ({error})") from None
-        reader = _Reader(self.storage, self.folder, self.manifest, items)
-        alone = not dist.is_initialized()
+        return targets
+
+    def _items(self) -> dict[str, dict[str, str]] | None:
+        """items.json, checked against the manifest and its layout (None: a folder another tool wrote)."""
+        if self.manifest is None:
+            return None
         try:
-            with _quiet_when(alone):
-                dcp.load(targets, storage_reader=reader, planner=_LoadPlanner(),
-                         process_group=None if alone else self.group, no_dist=alone)
-        except CheckpointException as failed:
-            raise InvalidCheckpoint(failure_line(failed)) from None
-        except InvalidCheckpoint:
-            raise
-        self.bytes_read = reader.bytes_read
-        self._loaded = targets
+            items = json.loads(checked_read(self.storage, self.folder, ITEMS, self.manifest))
+        except ValueError as error:
+            raise InvalidCheckpoint(f"{ITEMS} is not valid JSON ({error})") from None
+        if not isinstance(items, dict) or not all(
+                isinstance(offsets, dict) and all(isinstance(crc, str) for crc in offsets.values())
+                for offsets in items.values()):
+            raise InvalidCheckpoint(f"{ITEMS} does not have the layout this trainer writes")
+        return items
 
     def rows(self, marker: dict[str, Any], first: int, count: int) -> torch.Tensor:
         value = self._loaded[marker[MARK]]

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from trainer.checkpoint.dcp_files import DcpSource, read_metadata
+from trainer.checkpoint.dcp_files import DcpSource, agree, read_metadata
 from trainer.checkpoint.reading import DCP_METADATA, InvalidCheckpoint, UnknownFormat, checked_read, read_manifest
 from trainer.checkpoint.shards import MARK, fit
 from trainer.checkpoint.storage import MANIFEST, open_storage
@@ -40,9 +40,10 @@ def initial_weights(path: str, model: nn.Module, group: Any) -> str:
         raise CheckpointError(redact(f"--init-from {path}: cannot read it ({error.strerror or error})", path)) from None
 
 
-def _load(path: str, model: nn.Module, group: Any) -> str:
-    parent, _, name = path.rstrip("/").rpartition("/")
-    storage = open_storage(parent or ".")
+def _match(storage: Any, name: str, wanted: dict[str, Any]
+           ) -> tuple[dict[str, Any] | None, str, dict[str, TensorStorageMetadata]]:
+    """The folder's manifest (one of ours) or None (another tool's), the prefix under which it keeps the model's
+    tensors, and its tensors; InvalidCheckpoint when it lacks one of the model's or holds one of another shape."""
     if not storage.exists(name, DCP_METADATA):
         raise InvalidCheckpoint(f"no {DCP_METADATA} there (not a torch.distributed.checkpoint folder)")
     # One of ours: its files checked against its manifest and items.json; another tool's: sizes only.
@@ -51,7 +52,6 @@ def _load(path: str, model: nn.Module, group: Any) -> str:
                              else storage.read(name, DCP_METADATA))
     saved = {key: value for key, value in metadata.state_dict_metadata.items()
              if isinstance(value, TensorStorageMetadata)}
-    wanted = model.state_dict()
     prefix = max(PREFIXES, key=lambda candidate: sum(f"{candidate}{key}" in saved for key in wanted))
     missing = [key for key in wanted if f"{prefix}{key}" not in saved]
     if missing:
@@ -62,6 +62,21 @@ def _load(path: str, model: nn.Module, group: Any) -> str:
                 for key, tensor in wanted.items() if list(saved[prefix + key].size) != list(tensor.shape)]
     if reshaped:
         raise InvalidCheckpoint(f"its tensors do not fit the model: {'; '.join(reshaped[:3])}")
+    return manifest, prefix, saved
+
+
+def _load(path: str, model: nn.Module, group: Any) -> str:
+    parent, _, name = path.rstrip("/").rpartition("/")
+    storage = open_storage(parent or ".")
+    wanted = model.state_dict()
+    error, manifest, prefix, saved = None, None, "", {}
+    try:  # what each rank reads alone, agreed on before the collective read
+        manifest, prefix, saved = _match(storage, name, wanted)
+    except InvalidCheckpoint as problem:
+        error = str(problem)
+    except OSError as problem:
+        error = f"cannot read it ({problem.strerror or problem})"
+    agree(group, error)
     markers = {key: {MARK: f"{prefix}{key}", "shape": list(tensor.shape),
                      "dtype": str(tensor.dtype).removeprefix("torch.")} for key, tensor in wanted.items()}
     source = DcpSource(storage, name, manifest, group)

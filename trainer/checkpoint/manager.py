@@ -227,9 +227,13 @@ class CheckpointManager:
         rank = self.runtime.identity.rank
         written = dcp_files.Written({}, {})
         failure = None
+        failed_before: BaseException | None = None
         try:
             self._on_writer_thread(copies)
-            written = dcp_files.save(tensors, layout, self.storage, temporary, rank, group)
+        except Exception as error:  # noqa: BLE001 - this rank enters the save anyway: it fails there on every rank
+            failed_before = error
+        try:
+            written = dcp_files.save(tensors, layout, self.storage, temporary, rank, group, failed_before)
         except dcp_files.RankFailed as failed:  # every rank learns it from DCP: each reports the same line
             failure = self._shard_failure(failed.rank, failed.error, temporary)
         except Exception as error:  # noqa: BLE001 - reported by rank 0; this thread must reach the gather
@@ -270,7 +274,8 @@ class CheckpointManager:
             return (f"rank {rank} could not write its shards into {self.storage.describe(temporary)} "
                     f"({self.storage.reason(error)}); sharded checkpoints need a --checkpoint-dir that every rank "
                     f"reaches (a shared file system or an object store)")
-        return f"rank {rank} could not write its shards: {' '.join(repr(error).split())[:300]}"
+        said = str(error) if isinstance(error, dcp_files.Relayed) else f"{type(error).__name__}: {error}"
+        return f"rank {rank} could not write its shards: {' '.join(said.split())[:300]}"
 
     def _take(self, state: Any, path: str, deferrable: Callable[[str], bool]) -> tuple[Any, list[Snapshot]]:
         """Under --async-checkpoint, the state as host copies (trainer.checkpoint.snapshot) and the copies to

@@ -61,6 +61,8 @@ class StatePart:
     version: int = 1  # of this part's layout; a checkpoint without the part holds version 0
     # The current version's value from an older one's (None for version 0: an older checkpoint lacks the part).
     upgrade: Callable[[int, Any], Any] | None = None
+    # The oldest saved version ``upgrade`` reads (1: a checkpoint without the part is refused, not upgraded).
+    oldest: int = 0
     # Its layout is someone else's (a torch state_dict, the flags, the task's options): the golden layout records
     # its type only, since torch or a new flag may change it without our format changing.
     opaque: bool = False
@@ -122,7 +124,7 @@ class StateParts:
     @staticmethod
     def _upgraded(part: StatePart, saved_version: int, value: Any, location: str) -> Any:
         held = f"part {part.name!r} at version {saved_version}" if saved_version else f"no part {part.name!r}"
-        if saved_version > part.version or part.upgrade is None:
+        if saved_version > part.version or saved_version < part.oldest or part.upgrade is None:
             raise CheckpointError(f"checkpoint {location} holds {held}, and this trainer reads version "
                                   f"{part.version} only; resume it with the trainer release that wrote it, or use "
                                   f"another --checkpoint-dir or --resume none (the checkpoints are kept)")
