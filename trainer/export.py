@@ -54,6 +54,8 @@ def export_weights(checkpoint: str, output: str, kind: str = "auto") -> int:
         # does not hold the model (a DDP checkpoint's state file is mapped already).
         source = loaded.shard_source(allocate=_file_backed(Path(output).resolve().parent))
         weights = fit_all(loaded.state.model, None, source)
+    except ExportError:
+        raise
     except (InvalidCheckpoint, UnknownFormat, ValueError) as problem:
         raise ExportError(f"{checkpoint}: {problem}") from None
     except OSError as error:
@@ -94,10 +96,15 @@ def _file_backed(folder: Path) -> Callable[[list[int], torch.dtype], torch.Tenso
             return torch.empty(shape, dtype=dtype)
         folder.mkdir(parents=True, exist_ok=True)
         descriptor, path = tempfile.mkstemp(prefix=".ddp-export-", dir=folder)
-        os.close(descriptor)
         try:
+            # The blocks reserved now: a full disk is ENOSPC here, in one line, not SIGBUS when a page is written.
+            os.posix_fallocate(descriptor, 0, count * torch.empty((), dtype=dtype).element_size())
             return torch.from_file(path, shared=True, size=count, dtype=dtype).view(shape)
+        except OSError as error:
+            raise ExportError(f"no room for the weights' working copy in {folder} ({error.strerror or error}); "
+                              f"free space there or write the output elsewhere") from None
         finally:
+            os.close(descriptor)
             os.unlink(path)
 
     return allocate

@@ -227,18 +227,18 @@ def test_a_timed_out_nccl_collective_is_diagnosed_with_a_dump_before_nccl_aborts
                          ids=["bf16", "fp16", "bf16-compile"])
 def test_fsdp_trains_on_one_gpu_over_nccl_with_mixed_precision(tmp_path, flags):
     """--sync fsdp at one rank over NCCL: the mesh, the parameters gathered in the reduced type, the fp16 grad
-    scaler over DTensors, compile over the sharded model; a format-4 checkpoint the CPU reads."""
+    scaler over DTensors, compile over the sharded model; a format-5 (DCP) checkpoint the CPU reads."""
     result = train(tmp_path / "run", "--epochs", "1", "--sync", "fsdp", *flags)
     assert "device cuda:0, backend nccl" in result.stderr and "--sync fsdp: " in result.stderr
     assert summary(tmp_path / "run")["global_step"] == STEPS
     assert math.isfinite(summary(tmp_path / "run")["test_metrics"]["loss"])
     _, manifest, state = newest_checkpoint(tmp_path / "run" / "checkpoints")
-    assert manifest["format"] == 4
+    assert manifest["format"] == 5
     assert all(tensor.device.type == "cpu" for tensor in state["model"].values())
 
 
 def test_a_sharded_gpu_checkpoint_resumes_on_the_cpu_and_converts_to_ddp(tmp_path):
-    """A format-4 checkpoint written from CUDA shards, resumed by a CPU run under fsdp, then by a GPU run
+    """A format-5 (DCP) checkpoint written from CUDA shards, resumed by a CPU run under fsdp, then by a GPU run
     under ddp: the same samples, tensors within the measured tolerance of three uninterrupted GPU epochs."""
     train(tmp_path / "uninterrupted", "--epochs", "3", *CROSS_DEVICE, "--channels-last", "off", "--sync", "fsdp")
     output = tmp_path / "moved"

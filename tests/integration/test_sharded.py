@@ -353,9 +353,11 @@ def test_a_damaged_shard_file_is_refused_in_one_line_and_export_puts_a_checkpoin
 
 
 def test_a_fault_on_one_rank_around_dcp_stops_every_rank_at_once_in_its_words(tmp_path):
-    """Rank 1 alone cannot read the checkpoint's .metadata on resume, then, in another run, fails its copies
-    before a save: every rank stops at once with rank 1's line (with no agreement first, the others waited in
-    DCP's collectives until a timeout, and the line they gave blamed the network or the storage)."""
+    """Rank 1 alone cannot read the checkpoint's .metadata on resume; in another run it fails its copies before a
+    save: every rank stops at once with rank 1's line (with no agreement first, the others waited in DCP's
+    collectives until a timeout, and the line they gave blamed the network or the storage). And a DDP checkpoint
+    whose state.pt rank 1 reads with other bytes than rank 0 checked (a node's own disk at the path): refused in
+    one line, not trained from."""
     args = [*ARGS, "--batch-size", str(GLOBAL_BATCH // 2), "--output-dir", str(tmp_path), "--sync", "fsdp",
             "--collective-timeout-s", "120", "--checkpoint-timeout-s", "120"]
     launch(2, tmp_path, "--max-steps", "2")
@@ -371,6 +373,15 @@ def test_a_fault_on_one_rank_around_dcp_stops_every_rank_at_once_in_its_words(tm
         lines = [line for line in result.stderr.splitlines() if "] error:" in line]
         assert len(lines) == 2 and all(expected in line for line in lines), (fault, lines, result.stderr[-3000:])
         assert elapsed < 60, (fault, elapsed)  # well inside the 120 s timeouts
+    plain = tmp_path / "plain"
+    launch(2, plain, "--max-steps", "2", sync="ddp")
+    result = torchrun(["other-state", *ARGS, "--batch-size", str(GLOBAL_BATCH // 2), "--output-dir", str(plain),
+                       "--sync", "ddp", "--max-steps", "4"], nproc=2, module="tests.workers.one_rank_fails")
+    lines = [line for line in result.stderr.splitlines() if "] error:" in line]
+    assert len(lines) == 2 and all(
+        "state.pt does not match the manifest's crc32 checksum (corrupted) as this rank reads it, and rank 0 found "
+        "it whole: every rank reads the checkpoint itself, so --checkpoint-dir must be one folder that every node "
+        "reaches" in line for line in lines), (lines, result.stderr[-3000:])
 
 
 def test_init_from_starts_from_another_tools_dcp_weights_and_refuses_what_does_not_fit(uninterrupted, tmp_path):

@@ -7,6 +7,7 @@ import json
 import logging
 import shutil
 import signal
+import tempfile
 import threading
 import time
 import uuid
@@ -267,30 +268,17 @@ def test_an_fsspec_url_round_trips_with_retention_and_broken_ones_skipped(scheme
     assert not [path for path in fs.ls(root, detail=False) if "/.tmp-" in path]
 
 
-def test_an_object_store_checkpoint_is_written_in_place_and_committed_by_its_manifest(manager_for, monkeypatch,
-                                                                                      caplog):
-    """No folder move (on S3 a copy of every object, one by one): the files go straight to step-N/, the manifest
-    last. A save that died before its manifest leaves a folder that readers pass over and the next start removes;
-    a later save of that step writes over nothing of it."""
+def test_an_object_stores_state_file_that_this_machine_cannot_copy_stops_the_resume_never_skips_it(
+        manager_for, monkeypatch):
+    """The state file is downloaded to a local temporary file and mapped: a full or missing TMPDIR is this
+    machine's fault, and skipping the checkpoint for it would start afresh and later prune the good ones."""
     location = f"memory://ckpt-{uuid.uuid4().hex}"
-    fs, root = fsspec.core.url_to_fs(location)
-    moved, move = [], type(fs).mv
-    monkeypatch.setattr(type(fs), "mv", lambda self, *args, **kwargs: (moved.append(args), move(self, *args, **kwargs)))
-    manager = manager_for(location)
-    save_steps(manager, [1, 2])
-    assert moved == [] and names(location) == ["step-00000002", "step-00000001"]
-    fs.pipe_file(f"{root}/step-00000003/state.pt", b"half of a save")  # its writer died before the manifest
-    fs.pipe_file(f"{root}/step-00000003/__3_0.distcp", b"a rank this run does not have")
-    manager.close()
-    with caplog.at_level(logging.WARNING):
-        again = manager_for(location)
-    assert "step-00000003, left by a save that did not finish" in caplog.text
-    assert not fs.exists(f"{root}/step-00000003")
-    loaded = again.load("latest")
-    assert loaded is not None and loaded.location.endswith("step-00000002")
-    save_steps(again, [3])
-    assert moved == [] and sorted(fs.ls(f"{root}/step-00000003", detail=False)) == [
-        f"{root}/step-00000003/{name}" for name in ("manifest.json", "state.pt")]
+    save_steps(manager_for(location), [1])
+    monkeypatch.setattr(tempfile, "tempdir", "/nonexistent/ddp-deploy-tmp")
+    with pytest.raises(CheckpointError, match=r"^cannot copy the checkpoint's state.pt to a local temporary file in "
+                                              r"/nonexistent/ddp-deploy-tmp \(No such file or directory\); point "
+                                              r"TMPDIR at a folder with room for it$"):
+        manager_for(location).load("latest")
 
 
 # -- asynchronous saving -------------------------------------------------------------------------------------

@@ -4,6 +4,8 @@
                  rank 0 can: every rank must stop in one line naming it, not wait in DCP's collective read
   save-before    rank 1's copies for a sharded save fail before it writes anything (a CUDA error): every rank must
                  fail the save in one line naming it, not wait in DCP's collectives until the save's timeout
+  other-state    rank 1 reads another state.pt than rank 0 (of the same size: a node's own disk where the others'
+                 is shared): every rank must stop in one line saying so, not train from other values
 """
 
 from __future__ import annotations
@@ -32,6 +34,16 @@ def _inject(fault: str) -> None:
             raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
 
         manager.CheckpointManager._on_writer_thread = on_writer_thread  # type: ignore[method-assign]
+    elif fault == "other-state":
+        from trainer.checkpoint.storage.local import LocalStorage
+
+        real_range = LocalStorage.read_range
+
+        def read_range(self: Any, name: str, filename: str, offset: int, length: int) -> bytes:
+            data = real_range(self, name, filename, offset, length)
+            return bytes(byte ^ 0xFF for byte in data[:64]) + data[64:] if filename == "state.pt" else data
+
+        LocalStorage.read_range = read_range  # type: ignore[method-assign]
     else:
         raise SystemExit(f"unknown fault {fault!r}")
 

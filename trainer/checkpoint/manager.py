@@ -446,13 +446,17 @@ class CheckpointManager:
         current = step_of(written) or 0
         older = [name for name in self.storage.list_checkpoints() if (step_of(name) or 0) <= current]
         committed: list[tuple[str, dict[str, Any]]] = []
+        unsure: set[str] = set()
         for name in older:
             try:
                 manifest = json.loads(self.storage.read(name, MANIFEST))
-            except (OSError, ValueError):
+            except (FileNotFoundError, ValueError):
                 continue  # never committed: not counted, and removed below as unusable
+            except OSError:
+                unsure.add(name)  # the storage did not answer (throttled, timed out): left for the next save
+                continue
             committed.append((name, manifest if isinstance(manifest, dict) else {}))
-        kept = {name for name, _ in committed[: self.config.keep_last]} | {written}
+        kept = {name for name, _ in committed[: self.config.keep_last]} | {written} | unsure
         if self.config.keep_best and self.monitor is not None:
             best = _best(committed, self.monitor)
             if best is not None:

@@ -32,6 +32,7 @@ from trainer.checkpoint.reading import (
 from trainer.checkpoint.schema import SchemaError, TrainingState
 from trainer.checkpoint.shards import MARK
 from trainer.checkpoint.storage import CheckpointStorage
+from trainer.errors import CheckpointError
 
 __all__ = ["StateFileSource", "load_state_file", "without_tensors"]
 
@@ -70,26 +71,41 @@ def _mappable(storage: CheckpointStorage, name: str, manifest: dict[str, Any], c
         yield local
         return
     check_size(storage, name, STATE_FILE, size)
-    descriptor, path = tempfile.mkstemp(prefix="ddp-deploy-state-", suffix=".pt")
+    try:
+        descriptor, path = tempfile.mkstemp(prefix="ddp-deploy-state-", suffix=".pt")
+    except OSError as error:
+        raise _no_local_copy(error) from None
     try:
         crc, done = 0, 0
         with os.fdopen(descriptor, "wb") as copy:
             while done < size:
-                piece = storage.read_range(name, STATE_FILE, done, min(CHECK_PIECE, size - done))
+                try:
+                    piece = storage.read_range(name, STATE_FILE, done, min(CHECK_PIECE, size - done))
+                except OSError as error:
+                    raise InvalidCheckpoint(f"{STATE_FILE} unreadable ({error.strerror or error})") from None
                 if not piece:
                     break
-                copy.write(piece)
+                try:
+                    copy.write(piece)
+                except OSError as error:  # this machine's disk, not the checkpoint: never a reason to skip it
+                    raise _no_local_copy(error) from None
                 crc, done = zlib.crc32(piece, crc), done + len(piece)
         if done != size:
             raise InvalidCheckpoint(f"{STATE_FILE} has {done} bytes, the manifest says {size}")
         if f"{crc:08x}" != str(manifest["files"][STATE_FILE]["crc32"]):
             raise InvalidCheckpoint(f"{STATE_FILE} does not match the manifest's crc32 checksum (corrupted)")
         yield path
-    except OSError as error:
-        raise InvalidCheckpoint(f"{STATE_FILE} unreadable ({error.strerror or error})") from None
     finally:
         with contextlib.suppress(OSError):
             os.unlink(path)
+
+
+def _no_local_copy(error: OSError) -> CheckpointError:
+    """A local temporary copy that cannot be made: a fault of this machine (its disk is full, TMPDIR read-only),
+    which stops the resume rather than skip a good checkpoint and start afresh."""
+    return CheckpointError(f"cannot copy the checkpoint's {STATE_FILE} to a local temporary file in "
+                           f"{tempfile.gettempdir()} ({error.strerror or error}); point TMPDIR at a folder with room "
+                           f"for it")
 
 
 def without_tensors(value: Any, path: tuple[Any, ...] = ()) -> Any:
@@ -109,8 +125,8 @@ def without_tensors(value: Any, path: tuple[Any, ...] = ()) -> Any:
 
 
 class StateFileSource:
-    """The tensors of a state file, for the markers ``without_tensors`` left: this rank maps the file (rank 0
-    checked its checksum) and copies out what it is asked for, its rows or a whole tensor. Copies, never views
+    """The tensors of a state file, for the markers ``without_tensors`` left: this rank checks the file's checksum
+    in pieces and maps it, and copies out what it is asked for, its rows or a whole tensor. Copies, never views
     of the mapping: a file on a network file system may be removed (pruned) while this run still trains."""
 
     def __init__(self, storage: CheckpointStorage, name: str, manifest: dict[str, Any], version: int) -> None:
@@ -118,8 +134,15 @@ class StateFileSource:
         self._parts: dict[str, Any] | None = None
 
     def prepare(self, wanted: Any) -> None:
-        if self._parts is None:  # rank 0 checked the file's checksum (an object store's copy is checked anyway)
-            self._parts = load_state_file(self.storage, self.name, self.manifest, self.version, checksum=False).parts
+        if self._parts is None:
+            # Checked again here, by every rank: a rank whose --checkpoint-dir is another folder (a node's own disk,
+            # a stale network mount) would otherwise train from other values than rank 0 checked.
+            try:
+                self._parts = load_state_file(self.storage, self.name, self.manifest, self.version).parts
+            except InvalidCheckpoint as problem:
+                raise InvalidCheckpoint(f"{problem} as this rank reads it, and rank 0 found it whole: every rank "
+                                        f"reads the checkpoint itself, so --checkpoint-dir must be one folder that "
+                                        f"every node reaches") from None
 
     def rows(self, marker: dict[str, Any], first: int, count: int) -> torch.Tensor:
         return self._at(marker)[first:first + count].clone()

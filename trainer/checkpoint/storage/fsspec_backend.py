@@ -1,12 +1,4 @@
-"""Checkpoints at any fsspec URL (s3://, gs://, memory://): the manifest, written last, commits one.
-
-A new checkpoint is written straight into its own folder, ``step-N/``: a folder move on an object store is a copy
-of every object, one by one, which for a checkpoint of hundreds of GB would double its cost and time. Until its
-manifest is there the folder is no checkpoint: readers and ``--resume latest`` pass over it (no manifest: the
-save did not finish), and the next save of that step, the pruning, or the next job's start removes it. Only a
-save that replaces a committed checkpoint of its own step goes through a temporary folder and moves, so that
-the old one stays whole until the new one is in place.
-"""
+"""Checkpoints at any fsspec URL (s3://, gs://, memory://): the manifest, written last, commits one."""
 
 from __future__ import annotations
 
@@ -66,20 +58,7 @@ class FsspecStorage(CheckpointStorage):
     def _create(self, name: str, filename: str) -> contextlib.AbstractContextManager[IO[bytes]]:
         return self.fs.open(self._path(name, filename), "wb")  # an upload is complete once closed
 
-    def begin(self, name: str) -> str:
-        if self.exists(name, MANIFEST):
-            return super().begin(name)  # a committed checkpoint of this step: replaced through a temporary folder
-        if self.has_folder(name):
-            self.remove(name)  # a save of this step that never committed (its files would linger among ours)
-        try:
-            self._make_folder(name)
-        except OSError as error:
-            raise self._failure(name, error) from None
-        return name
-
     def _commit(self, temporary: str, name: str) -> None:
-        if temporary == name:
-            return  # written in place: its manifest, written last, committed it
         if not self.fs.exists(self._path(name)):
             self._rename(temporary, name)
             return
@@ -128,15 +107,6 @@ class FsspecStorage(CheckpointStorage):
 
     def has_folder(self, name: str) -> bool:
         return self.fs.isdir(self._path(name))
-
-    def remove_temporaries(self) -> list[str]:
-        """Also the folders of saves written in place that never committed (no manifest): this job holds the
-        lease, so no save of another is still under way there."""
-        stale = super().remove_temporaries()  # first: a checkpoint moved aside is put back whole, manifest last
-        unfinished = [name for name in self.list_checkpoints() if not self.exists(name, MANIFEST)]
-        for name in unfinished:
-            self._remove_quietly(name)
-        return [*stale, *unfinished]
 
     def remove(self, name: str) -> None:
         # The manifest first: a half-removed folder is then never taken for a checkpoint.
