@@ -1,8 +1,9 @@
 """docs/sharded.md's recipe, as a user with torch alone runs it: ``torchrun --nproc-per-node 2 -m
 tests.workers.dcp_recipe CHECKPOINT WIDTH BLOCKS``. The user's own FSDP2 model (InitWeightsTask's stack of
 ScaledStack blocks, sharded with fully_shard), its state dict from get_model_state_dict, a plain ``dcp.load``
-with torch's own reader (over the default process group), set_model_state_dict; each rank prints its layers'
-whole weights' sums, which the test compares with the checkpoint's."""
+with torch's own reader (over the default process group), set_model_state_dict; rank 0 prints the layers'
+whole weights' sums (gathered from every rank's shards), which the test compares with the
+checkpoint's."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def main(checkpoint: str, width: int, blocks: int) -> None:
     dcp.load(state, checkpoint_id=checkpoint)
     set_model_state_dict(model, state["model"])
     whole = {name: value.full_tensor().double().sum().item() for name, value in model.state_dict().items()}
-    print(json.dumps({"rank": dist.get_rank(), "sums": whole}), flush=True)
+    if dist.get_rank() == 0:  # the whole tensors: every rank's shards, gathered (one line: torchrun merges outputs)
+        print(json.dumps({"sums": whole}), flush=True)
     dist.destroy_process_group()
 
 
