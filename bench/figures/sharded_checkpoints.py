@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from pathlib import Path
 
 from bench.figures.sharded import FIXED_MMAP_THRESHOLD
 from bench.harness.context import Context
@@ -36,7 +37,8 @@ def _phase(ctx: Context, phase: str, sync: str, ranks: int, folder: str, width: 
     if result.returncode != 0:
         raise RuntimeError(f"bench.workers.sharded_checkpoints {phase} {sync} x{ranks} failed: "
                            f"{result.stderr[-2000:]}")
-    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    return [json.loads((Path(folder) / "records" / f"{phase}-{sync}-{ranks}-rank{rank}.json").read_text())
+            for rank in range(ranks)]
 
 
 def _size(count: float) -> str:

@@ -26,8 +26,8 @@ from devtools.memory import PeakSampler
 from trainer.build import state_parts
 from trainer.checkpoint import CheckpointManager, TaskRecord, TrainingPosition, add_run_parts
 from trainer.config import CheckpointConfig, DistConfig
-from trainer.distributed import process_group
-from trainer.gradsync import build_grad_sync
+from trainer.distributed import Runtime, process_group
+from trainer.gradsync import GradSync, build_grad_sync
 from trainer.launchers import identity_from_env
 from trainer.sharding import initialise_on_device
 
@@ -38,20 +38,26 @@ def _held(tensors: list[torch.Tensor]) -> int:
     return sum((tensor.to_local() if isinstance(tensor, DTensor) else tensor).nbytes for tensor in tensors)
 
 
+def linear_stack(method: str, width: int, blocks: int, runtime: Runtime
+                 ) -> tuple[GradSync, nn.Module, nn.Module, torch.optim.Optimizer]:
+    """BLOCKS Linear(WIDTH, WIDTH) under the trainer's --sync METHOD, with AdamW: (sync, model, wrapped, optimizer).
+    Sharded: built on the meta device and given only this rank's shards (--meta-init), as a model too large for
+    one rank must be; DDP: built whole, as it must be."""
+    torch.manual_seed(0)
+    sync = build_grad_sync(method, runtime)
+    with torch.device("meta" if sync.sharded else "cpu"):
+        model = nn.Sequential(*(nn.Linear(width, width) for _ in range(blocks)))
+    wrapped = sync.wrap(model)
+    if sync.sharded:
+        initialise_on_device(model, torch.device("cpu"), None, "bench")
+    return sync, model, wrapped, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
 def main(method: str, width: int, blocks: int, steps: int, folder: str) -> None:
     identity = identity_from_env({**os.environ, "DDP_JOB_ID": f"bench-sharded-{method}"})
     with process_group(DistConfig(), identity, torch.device("cpu")) as runtime:
         sampler = PeakSampler()
-        torch.manual_seed(0)
-        sync = build_grad_sync(method, runtime)
-        # Sharded: built on the meta device and given only this rank's shards (--meta-init), as a model too large
-        # for one rank must be; DDP: built whole, as it must be.
-        with torch.device("meta" if sync.sharded else "cpu"):
-            model = nn.Sequential(*(nn.Linear(width, width) for _ in range(blocks)))
-        wrapped = sync.wrap(model)
-        if sync.sharded:
-            initialise_on_device(model, torch.device("cpu"), None, "bench")
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        sync, model, wrapped, optimizer = linear_stack(method, width, blocks, runtime)
         inputs = torch.randn(BATCH, width, generator=torch.Generator().manual_seed(identity.rank))
         times = []
         for _ in range(steps):

@@ -12,7 +12,7 @@ only this rank's shards), through the trainer's own state parts and CheckpointMa
           the bytes of checkpoint this rank read, and, at the same world size, BENCH_ROUNDS (3) timed rounds of a
           restore against one ``torch.load`` of its own raw file, alternately first.
 
-Each rank prints one JSON line; the figure keeps the worst rank's.
+Each rank writes its record to FOLDER/records/PHASE-SYNC-WORLD-rankR.json; the figure keeps the worst rank's.
 """
 
 from __future__ import annotations
@@ -29,14 +29,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from bench.workers.sharded import linear_stack
 from devtools.memory import PeakSampler
 from trainer.build import state_parts
 from trainer.checkpoint import CheckpointManager, RestoreContext, TaskRecord, TrainingPosition, add_run_parts
 from trainer.config import CheckpointConfig, DistConfig
 from trainer.distributed import process_group
-from trainer.gradsync import build_grad_sync
 from trainer.launchers import identity_from_env
-from trainer.sharding import initialise_on_device
 
 BATCH = 8
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))  # of the timed resume against a raw load
@@ -62,14 +61,7 @@ def main(phase: str, method: str, width: int, blocks: int, folder: str) -> None:
     identity = identity_from_env({**os.environ, "DDP_JOB_ID": f"bench-sharded-checkpoints-{phase}"})
     with process_group(DistConfig(), identity, torch.device("cpu")) as runtime:
         sampler = PeakSampler()
-        torch.manual_seed(0)
-        sync = build_grad_sync(method, runtime)
-        with torch.device("meta" if sync.sharded else "cpu"):
-            model = nn.Sequential(*(nn.Linear(width, width) for _ in range(blocks)))
-        wrapped = sync.wrap(model)
-        if sync.sharded:
-            initialise_on_device(model, torch.device("cpu"), None, "bench")
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        sync, model, wrapped, optimizer = linear_stack(method, width, blocks, runtime)
         parts = state_parts(model, optimizer, torch.amp.GradScaler("cpu", enabled=False))
         add_run_parts(parts, TrainingPosition(step=1), TaskRecord("bench", "bench", {}), {})
         manager = CheckpointManager(CheckpointConfig(keep_last=2), folder, runtime, logging.getLogger("bench"))
@@ -137,7 +129,10 @@ def main(phase: str, method: str, width: int, blocks: int, folder: str) -> None:
                         times[kind] = _slowest(time.perf_counter() - started)
                     record["rounds"].append(times)
         manager.close()
-        print(json.dumps(record), flush=True)
+        # A file per rank: torchrun merges the ranks' standard outputs, and two lines may interleave there.
+        records = Path(folder) / "records"
+        records.mkdir(parents=True, exist_ok=True)
+        (records / f"{phase}-{method}-{identity.world_size}-rank{identity.rank}.json").write_text(json.dumps(record))
 
 
 if __name__ == "__main__":

@@ -112,13 +112,17 @@ def built(meta: bool) -> tuple[nn.Module, list[nn.Module]]:
     return model, order
 
 
+def assert_same_weights(model: nn.Module, expected: nn.Module) -> None:
+    for (name, wanted), (_, tensor) in zip(expected.state_dict().items(), model.state_dict().items(), strict=True):
+        assert torch.equal(tensor, wanted), name
+
+
 def test_meta_init_draws_in_the_order_a_plain_build_does():
     plain, _ = built(meta=False)
     meta, order = built(meta=True)
     torch.manual_seed(5)
     initialise_on_device(meta, torch.device("cpu"), None, "task 'x'", order)
-    for (name, expected), (_, tensor) in zip(plain.state_dict().items(), meta.state_dict().items(), strict=True):
-        assert torch.equal(tensor, expected), name
+    assert_same_weights(meta, plain)
 
 
 def test_a_tasks_init_weights_gives_a_plain_build_the_weights_meta_init_gives():
@@ -132,8 +136,7 @@ def test_a_tasks_init_weights_gives_a_plain_build_the_weights_meta_init_gives():
     meta, order = built(meta=True)
     torch.manual_seed(9)
     initialise_on_device(meta, torch.device("cpu"), init_weights, "task 'x'", order)
-    for (name, expected), (_, tensor) in zip(plain.state_dict().items(), meta.state_dict().items(), strict=True):
-        assert torch.equal(tensor, expected), name
+    assert_same_weights(meta, plain)
 
 
 def test_meta_init_on_needs_a_sharded_sync():
