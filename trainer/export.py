@@ -92,13 +92,14 @@ FILE_BACKED_BYTES = 1 << 20
 def _file_backed(folder: Path) -> Callable[[list[int], torch.dtype], torch.Tensor]:
     def allocate(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
         count = math.prod(shape)
-        if count * torch.empty((), dtype=dtype).element_size() < FILE_BACKED_BYTES:
+        size = count * torch.empty((), dtype=dtype).element_size()
+        if size < FILE_BACKED_BYTES:
             return torch.empty(shape, dtype=dtype)
         folder.mkdir(parents=True, exist_ok=True)
         descriptor, path = tempfile.mkstemp(prefix=".ddp-export-", dir=folder)
         try:
             # The blocks reserved now: a full disk is ENOSPC here, in one line, not SIGBUS when a page is written.
-            os.posix_fallocate(descriptor, 0, count * torch.empty((), dtype=dtype).element_size())
+            os.posix_fallocate(descriptor, 0, size)
             return torch.from_file(path, shared=True, size=count, dtype=dtype).view(shape)
         except OSError as error:
             raise ExportError(f"no room for the weights' working copy in {folder} ({error.strerror or error}); "

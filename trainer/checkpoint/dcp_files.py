@@ -15,7 +15,8 @@ Around DCP:
   reads the whole checkpoint to check it;
 - ``.metadata`` is a pickle, and torch's own reader loads it with ``pickle.load``: a DCP folder can run code when
   loaded. It is read here by an unpickler that admits DCP's metadata types only, and refuses anything else in one
-  line; tensors load with ``weights_only=True``, and so do the non-tensor items a foreign checkpoint may hold;
+  line; tensors load with ``weights_only=True``, and a non-tensor item (which DCP's own planner unpickles with
+  ``weights_only=False``) is refused: this trainer asks for tensors only;
 - a file the metadata names outside the folder is refused.
 """
 
@@ -61,7 +62,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.distributed.tensor import DTensor
 
 from trainer.checkpoint.reading import DCP_METADATA, InvalidCheckpoint, checked_read, is_plain_name, load_failure
-from trainer.checkpoint.shards import MARK
+from trainer.checkpoint.shards import MARK, marker_for, replace_tensors
 from trainer.checkpoint.storage import CheckpointStorage, crc32_hex
 from trainer.sharding import local_rows
 
@@ -93,12 +94,6 @@ _RECORDS = (Metadata, TensorStorageMetadata, BytesStorageMetadata, ChunkStorageM
 def data_file(rank: int) -> str:
     """The file a rank writes its items to (DCP's FileSystemWriter names it alike)."""
     return f"__{rank}_0.distcp"
-
-
-def key_of(path: str) -> str:
-    """A tensor's DCP key from its path in the parts: ``/optimizer/state/fc.weight/exp_avg`` ->
-    ``optimizer.state.fc.weight.exp_avg``, as DCP flattens the nested dict."""
-    return path.strip("/").replace("/", ".")
 
 
 # -- saving ---------------------------------------------------------------------------------------------------
@@ -138,29 +133,19 @@ def split(parts: dict[str, Any], per_rank: Iterable[str]) -> SplitState:
     state = SplitState({}, {}, {})
     kept = set(per_rank)
 
-    def walk(value: Any, path: str) -> Any:
-        if isinstance(value, DTensor):
-            key = key_of(path)
-            first, _ = local_rows(value)
-            state.tensors[key] = value.to_local().detach()
-            state.layout[key] = (torch.Size(value.shape), torch.Size([first] + [0] * (value.dim() - 1)))
-            return _marker(key, value)
-        if isinstance(value, torch.Tensor):
-            key = key_of(path)
-            state.tensors[key] = value.detach()
-            return _marker(key, value)
-        if isinstance(value, dict):
-            return type(value)((name, walk(item, f"{path}/{name}")) for name, item in value.items())
-        if isinstance(value, list | tuple):
-            return type(value)(walk(item, f"{path}/{index}") for index, item in enumerate(value))
-        return value
+    def take(tensor: torch.Tensor, path: tuple[Any, ...]) -> dict[str, Any]:
+        key = ".".join(map(str, path))  # DCP's flattening of the nested dict: optimizer.state.fc.weight.exp_avg
+        if isinstance(tensor, DTensor):
+            first, _ = local_rows(tensor)
+            state.layout[key] = (torch.Size(tensor.shape), torch.Size([first] + [0] * (tensor.dim() - 1)))
+            state.tensors[key] = tensor.to_local().detach()
+        else:
+            state.tensors[key] = tensor.detach()
+        return marker_for(key, tensor)
 
-    state.plain = {name: value if name in kept else walk(value, f"/{name}") for name, value in parts.items()}
+    state.plain = {name: value if name in kept else replace_tensors(value, take, (name,))
+                   for name, value in parts.items()}
     return state
-
-
-def _marker(key: str, tensor: torch.Tensor) -> dict[str, Any]:
-    return {MARK: key, "shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch.")}
 
 
 @dataclass
@@ -412,28 +397,25 @@ def agree(group: Any, error: str | None) -> None:
         raise InvalidCheckpoint(error)
 
 
-class _LoadPlanner(DefaultLoadPlanner):
-    def __init__(self) -> None:
-        super().__init__(flatten_state_dict=False)
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        # DCP's own planner unpickles these with weights_only=False: code could run. Plain types only here.
-        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+def folder_metadata(storage: CheckpointStorage, folder: str, manifest: dict[str, Any] | None) -> Metadata:
+    """A DCP folder's metadata, read restricted: checked against its manifest where it is one of ours (None:
+    another tool's folder, which has none)."""
+    return read_metadata(checked_read(storage, folder, DCP_METADATA, manifest) if manifest is not None
+                         else storage.read(folder, DCP_METADATA))
 
 
 class _Reader(StorageReader):
     """Reads the byte ranges this rank's plan needs, each checked against its CRC-32 (``items``: None for a
     folder another tool wrote, which has none: its sizes are still checked)."""
 
-    def __init__(self, storage: CheckpointStorage, folder: str, manifest: dict[str, Any] | None,
+    def __init__(self, storage: CheckpointStorage, folder: str, metadata: Metadata,
                  items: dict[str, dict[str, str]] | None) -> None:
         super().__init__()
-        self.storage, self.folder, self.manifest, self.items = storage, folder, manifest, items
+        self.storage, self.folder, self.items = storage, folder, items
+        # Read before DCP asks (folder_metadata): its own failure message would bury ours in an assertion's text.
+        self.metadata = metadata
         self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
         self.bytes_read = 0
-        # Read here, before DCP asks: its own failure message would bury this one in an assertion's text.
-        self.metadata = read_metadata(checked_read(storage, folder, DCP_METADATA, manifest) if manifest is not None
-                                      else storage.read(folder, DCP_METADATA))
 
     def reset(self, checkpoint_id: Any = None) -> None:
         self.storage_data = {}
@@ -514,8 +496,10 @@ class DcpSource:
     one the whole tensor. ``fit`` (trainer.checkpoint.shards) then takes them by their markers."""
 
     def __init__(self, storage: CheckpointStorage, folder: str, manifest: dict[str, Any] | None, group: Any,
-                 allocate: Callable[[list[int], torch.dtype], torch.Tensor] | None = None) -> None:
+                 allocate: Callable[[list[int], torch.dtype], torch.Tensor] | None = None,
+                 metadata: Metadata | None = None) -> None:
         self.storage, self.folder, self.manifest, self.group = storage, folder, manifest, group
+        self.metadata = metadata  # the folder's, where the caller read it already (--init-from)
         # Where a whole tensor is read into (ddp-export gives file-backed memory, to write it out without holding it).
         self.allocate = allocate or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
         self._loaded: dict[str, torch.Tensor] = {}
@@ -533,7 +517,8 @@ class DcpSource:
         error, targets, reader = None, {}, None
         try:
             targets = self._targets(wanted)
-            reader = _Reader(self.storage, self.folder, self.manifest, self._items())
+            metadata = self.metadata or folder_metadata(self.storage, self.folder, self.manifest)
+            reader = _Reader(self.storage, self.folder, metadata, self._items())
             for key, target in targets.items():
                 found = reader.metadata.state_dict_metadata.get(key)
                 if not isinstance(found, TensorStorageMetadata) or list(found.size) != list(target.shape):
@@ -548,7 +533,7 @@ class DcpSource:
         assert reader is not None
         try:
             with _quiet_when(alone):
-                dcp.load(targets, storage_reader=reader, planner=_LoadPlanner(),
+                dcp.load(targets, storage_reader=reader, planner=DefaultLoadPlanner(flatten_state_dict=False),
                          process_group=None if alone else self.group, no_dist=alone)
         except CheckpointException as failed:
             raise InvalidCheckpoint(failure_line(failed)) from None

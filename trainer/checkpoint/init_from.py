@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from trainer.checkpoint.dcp_files import DcpSource, agree, read_metadata
-from trainer.checkpoint.reading import DCP_METADATA, InvalidCheckpoint, UnknownFormat, checked_read, read_manifest
-from trainer.checkpoint.shards import MARK, fit
+from trainer.checkpoint.dcp_files import DcpSource, agree, folder_metadata
+from trainer.checkpoint.reading import DCP_METADATA, InvalidCheckpoint, UnknownFormat, read_manifest
+from trainer.checkpoint.shards import fit, marker_for
 from trainer.checkpoint.storage import MANIFEST, open_storage
 from trainer.errors import CheckpointError
 from trainer.redact import redact
@@ -41,15 +41,15 @@ def initial_weights(path: str, model: nn.Module, group: Any) -> str:
 
 
 def _match(storage: Any, name: str, wanted: dict[str, Any]
-           ) -> tuple[dict[str, Any] | None, str, dict[str, TensorStorageMetadata]]:
-    """The folder's manifest (one of ours) or None (another tool's), the prefix under which it keeps the model's
-    tensors, and its tensors; InvalidCheckpoint when it lacks one of the model's or holds one of another shape."""
+           ) -> tuple[dict[str, Any] | None, Metadata, str, dict[str, TensorStorageMetadata]]:
+    """The folder's manifest (one of ours) or None (another tool's), its metadata, the prefix under which it keeps
+    the model's tensors, and its tensors; InvalidCheckpoint when it lacks one of the model's or holds one of
+    another shape."""
     if not storage.exists(name, DCP_METADATA):
         raise InvalidCheckpoint(f"no {DCP_METADATA} there (not a torch.distributed.checkpoint folder)")
     # One of ours: its files checked against its manifest and items.json; another tool's: sizes only.
     manifest = read_manifest(storage, name)[0] if storage.exists(name, MANIFEST) else None
-    metadata = read_metadata(checked_read(storage, name, DCP_METADATA, manifest) if manifest is not None
-                             else storage.read(name, DCP_METADATA))
+    metadata = folder_metadata(storage, name, manifest)
     saved = {key: value for key, value in metadata.state_dict_metadata.items()
              if isinstance(value, TensorStorageMetadata)}
     prefix = max(PREFIXES, key=lambda candidate: sum(f"{candidate}{key}" in saved for key in wanted))
@@ -62,24 +62,24 @@ def _match(storage: Any, name: str, wanted: dict[str, Any]
                 for key, tensor in wanted.items() if list(saved[prefix + key].size) != list(tensor.shape)]
     if reshaped:
         raise InvalidCheckpoint(f"its tensors do not fit the model: {'; '.join(reshaped[:3])}")
-    return manifest, prefix, saved
+    return manifest, metadata, prefix, saved
 
 
 def _load(path: str, model: nn.Module, group: Any) -> str:
     parent, _, name = path.rstrip("/").rpartition("/")
     storage = open_storage(parent or ".")
     wanted = model.state_dict()
-    error, manifest, prefix, saved = None, None, "", {}
+    error: str | None = None
+    manifest, metadata, prefix, saved = None, None, "", {}
     try:  # what each rank reads alone, agreed on before the collective read
-        manifest, prefix, saved = _match(storage, name, wanted)
+        manifest, metadata, prefix, saved = _match(storage, name, wanted)
     except InvalidCheckpoint as problem:
         error = str(problem)
     except OSError as problem:
         error = f"cannot read it ({problem.strerror or problem})"
     agree(group, error)
-    markers = {key: {MARK: f"{prefix}{key}", "shape": list(tensor.shape),
-                     "dtype": str(tensor.dtype).removeprefix("torch.")} for key, tensor in wanted.items()}
-    source = DcpSource(storage, name, manifest, group)
+    markers = {key: marker_for(f"{prefix}{key}", tensor) for key, tensor in wanted.items()}
+    source = DcpSource(storage, name, manifest, group, metadata=metadata)
     try:
         source.prepare([(marker, wanted[key]) for key, marker in markers.items()])
         model.load_state_dict(fit(markers, wanted, source))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 from trainer.checkpoint.schema import READABLE
@@ -30,13 +31,18 @@ class UnknownFormat(Exception):
     cannot make ``--resume latest`` quietly start afresh and prune the checkpoints it could not read."""
 
 
-def checked_read(storage: CheckpointStorage, name: str, filename: str, manifest: dict[str, Any]) -> bytes:
-    """One of the checkpoint's files, its size and checksum those the manifest promises."""
+def expected(manifest: dict[str, Any], filename: str) -> tuple[int, str]:
+    """The size and CRC-32 the manifest promises for one of the checkpoint's files."""
     try:
-        expected = manifest["files"][filename]
-        size, checksum = int(expected["bytes"]), str(expected["crc32"])
+        entry = manifest["files"][filename]
+        return int(entry["bytes"]), str(entry["crc32"])
     except (KeyError, TypeError, ValueError):
         raise InvalidCheckpoint(f"{MANIFEST} does not describe {filename}") from None
+
+
+def checked_read(storage: CheckpointStorage, name: str, filename: str, manifest: dict[str, Any]) -> bytes:
+    """One of the checkpoint's files, its size and checksum those the manifest promises."""
+    size, checksum = expected(manifest, filename)
     try:
         # The size first: a file that is not what the manifest promises is not read at all.
         check_size(storage, name, filename, size)
@@ -52,32 +58,26 @@ def checked_read(storage: CheckpointStorage, name: str, filename: str, manifest:
     return data
 
 
-def checked_file(storage: CheckpointStorage, name: str, filename: str, manifest: dict[str, Any]) -> str | bytes:
-    """``checked_read``, but a local file is checked in pieces and given as its path (to be mapped into memory,
-    never held whole by the check): its bytes only from an object store."""
-    path = storage.local_path(name, filename)
-    if path is None:
-        return checked_read(storage, name, filename, manifest)
-    try:
-        expected = manifest["files"][filename]
-        size, checksum = int(expected["bytes"]), str(expected["crc32"])
-    except (KeyError, TypeError, ValueError):
-        raise InvalidCheckpoint(f"{MANIFEST} does not describe {filename}") from None
+def checked_pieces(storage: CheckpointStorage, name: str, filename: str, manifest: dict[str, Any],
+                   keep: Callable[[bytes], None] = lambda piece: None) -> None:
+    """``checked_read`` in pieces of CHECK_PIECE bytes, each handed to ``keep`` as it is read (a local copy of an
+    object store's file), never the whole file held."""
+    size, checksum = expected(manifest, filename)
     check_size(storage, name, filename, size)
     crc, done = 0, 0
-    try:
-        while done < size:
+    while done < size:
+        try:
             piece = storage.read_range(name, filename, done, min(CHECK_PIECE, size - done))
-            if not piece:
-                break
-            crc, done = zlib.crc32(piece, crc), done + len(piece)
-    except OSError as error:
-        raise InvalidCheckpoint(f"{filename} unreadable ({error.strerror or error})") from None
+        except OSError as error:
+            raise InvalidCheckpoint(f"{filename} unreadable ({error.strerror or error})") from None
+        if not piece:
+            break
+        keep(piece)
+        crc, done = zlib.crc32(piece, crc), done + len(piece)
     if done != size:
         raise InvalidCheckpoint(f"{filename} has {done} bytes, the manifest says {size}")
     if f"{crc:08x}" != checksum:
         raise InvalidCheckpoint(f"{filename} does not match the manifest's crc32 checksum (corrupted)")
-    return path
 
 
 def check_size(storage: CheckpointStorage, name: str, filename: str, size: int) -> None:

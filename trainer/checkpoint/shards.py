@@ -23,7 +23,8 @@ from torch.distributed.tensor import DTensor
 
 from trainer.sharding import local_rows
 
-__all__ = ["MARK", "ShardSource", "fit", "fit_all", "has_sharded", "is_marker", "markers"]
+__all__ = ["MARK", "ShardSource", "fit", "fit_all", "has_sharded", "is_marker", "marker_for", "markers",
+           "replace_tensors"]
 
 MARK = "__shard__"
 
@@ -36,6 +37,24 @@ def has_sharded(value: Any) -> bool:
     if isinstance(value, list | tuple):
         return any(has_sharded(item) for item in value)
     return False
+
+
+def marker_for(place: Any, tensor: torch.Tensor) -> dict[str, Any]:
+    """What a tensor leaves in the state file: where it lies (a DCP key, a path), its shape and its type."""
+    return {MARK: place, "shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch.")}
+
+
+def replace_tensors(value: Any, replace: Callable[[torch.Tensor, tuple[Any, ...]], Any],
+                    path: tuple[Any, ...] = ()) -> Any:
+    """``value`` with each tensor in it (a DTensor too) replaced by ``replace(tensor, path)``, ``path`` the keys
+    and indices that lead to it."""
+    if isinstance(value, torch.Tensor):
+        return replace(value, path)
+    if isinstance(value, dict):
+        return type(value)((key, replace_tensors(item, replace, (*path, key))) for key, item in value.items())
+    if isinstance(value, list | tuple):
+        return type(value)(replace_tensors(item, replace, (*path, index)) for index, item in enumerate(value))
+    return value
 
 
 def is_marker(value: Any) -> bool:
@@ -85,10 +104,11 @@ class ShardSource:
         self._loaded.clear()
 
 
-def fit(saved: Any, template: Any, source: ShardSource | None) -> Any:
+def fit(saved: Any, template: Any, source: Any) -> Any:
     """``saved`` made to match ``template`` (what this run holds at that place): a marker becomes this rank's
     rows of it (a DTensor template) or the whole tensor (a plain one); a whole tensor saved by a plain run
-    becomes this rank's rows where this run shards it."""
+    becomes this rank's rows where this run shards it. ``source``: where the markers' tensors lie (ShardSource
+    here, dcp_files.DcpSource, state_file.StateFileSource: ``rows`` and ``whole``), None where there are none."""
     if is_marker(saved):
         if source is None:
             raise ValueError(f"{saved[MARK]} is sharded but the checkpoint has no shard files")

@@ -15,22 +15,14 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-import zlib
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from trainer.checkpoint.reading import (
-    CHECK_PIECE,
-    STATE_FILE,
-    InvalidCheckpoint,
-    check_size,
-    checked_file,
-    load_failure,
-)
+from trainer.checkpoint.reading import STATE_FILE, InvalidCheckpoint, check_size, checked_pieces, expected, load_failure
 from trainer.checkpoint.schema import SchemaError, TrainingState
-from trainer.checkpoint.shards import MARK
+from trainer.checkpoint.shards import MARK, marker_for, replace_tensors
 from trainer.checkpoint.storage import CheckpointStorage
 from trainer.errors import CheckpointError
 
@@ -61,39 +53,28 @@ def _mappable(storage: CheckpointStorage, name: str, manifest: dict[str, Any], c
     """A local path of the state file, checked: the file itself on a local or mounted file system; from an object
     store, a temporary copy downloaded in pieces through the checksum (never the whole file in memory), removed
     once mapped (the mapping keeps it readable)."""
-    size = int(manifest["files"][STATE_FILE]["bytes"])
     local = storage.local_path(name, STATE_FILE)
     if local is not None:
         if checksum:
-            checked_file(storage, name, STATE_FILE, manifest)
+            checked_pieces(storage, name, STATE_FILE, manifest)
         else:
-            check_size(storage, name, STATE_FILE, size)
+            check_size(storage, name, STATE_FILE, expected(manifest, STATE_FILE)[0])
         yield local
         return
-    check_size(storage, name, STATE_FILE, size)
+    check_size(storage, name, STATE_FILE, expected(manifest, STATE_FILE)[0])
     try:
         descriptor, path = tempfile.mkstemp(prefix="ddp-deploy-state-", suffix=".pt")
     except OSError as error:
         raise _no_local_copy(error) from None
     try:
-        crc, done = 0, 0
         with os.fdopen(descriptor, "wb") as copy:
-            while done < size:
-                try:
-                    piece = storage.read_range(name, STATE_FILE, done, min(CHECK_PIECE, size - done))
-                except OSError as error:
-                    raise InvalidCheckpoint(f"{STATE_FILE} unreadable ({error.strerror or error})") from None
-                if not piece:
-                    break
+            def keep(piece: bytes) -> None:
                 try:
                     copy.write(piece)
                 except OSError as error:  # this machine's disk, not the checkpoint: never a reason to skip it
                     raise _no_local_copy(error) from None
-                crc, done = zlib.crc32(piece, crc), done + len(piece)
-        if done != size:
-            raise InvalidCheckpoint(f"{STATE_FILE} has {done} bytes, the manifest says {size}")
-        if f"{crc:08x}" != str(manifest["files"][STATE_FILE]["crc32"]):
-            raise InvalidCheckpoint(f"{STATE_FILE} does not match the manifest's crc32 checksum (corrupted)")
+
+            checked_pieces(storage, name, STATE_FILE, manifest, keep)
         yield path
     finally:
         with contextlib.suppress(OSError):
@@ -108,20 +89,16 @@ def _no_local_copy(error: OSError) -> CheckpointError:
                            f"for it")
 
 
-def without_tensors(value: Any, path: tuple[Any, ...] = ()) -> Any:
+def without_tensors(value: Any) -> Any:
     """``value`` with each tensor replaced by a marker: its place in the state (a list of keys), shape, type, and
     whether a 4-D one was laid out channels-last (trainer.gpu.checkpoint_layout reads it)."""
-    if isinstance(value, torch.Tensor):
-        marker: dict[str, Any] = {MARK: list(path), "shape": list(value.shape),
-                                  "dtype": str(value.dtype).removeprefix("torch.")}
-        if value.dim() == 4 and not value.is_contiguous():
-            marker["channels_last"] = value.is_contiguous(memory_format=torch.channels_last)
-        return marker
-    if isinstance(value, dict):
-        return type(value)((key, without_tensors(item, (*path, key))) for key, item in value.items())
-    if isinstance(value, list | tuple):
-        return type(value)(without_tensors(item, (*path, index)) for index, item in enumerate(value))
-    return value
+    def mark(tensor: torch.Tensor, path: tuple[Any, ...]) -> dict[str, Any]:
+        found = marker_for(list(path), tensor)
+        if tensor.dim() == 4 and not tensor.is_contiguous():
+            found["channels_last"] = tensor.is_contiguous(memory_format=torch.channels_last)
+        return found
+
+    return replace_tensors(value, mark)
 
 
 class StateFileSource:
