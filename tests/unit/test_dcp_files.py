@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
+from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, ChunkStorageMetadata, Metadata
 
 from trainer.checkpoint.dcp_files import read_metadata
 from trainer.checkpoint.reading import DCP_METADATA, InvalidCheckpoint
@@ -82,3 +82,21 @@ def test_items_written_through_extensions_of_any_kind_are_one_line(tmp_path):
     with pytest.raises(InvalidCheckpoint, match=r"^\.metadata: items written through DCP extensions \(3, None\), "
                                                 r"which this trainer does not read$"):
         read_metadata(pickle.dumps(metadata))
+
+
+def test_an_enum_member_pickled_by_name_reads_and_no_other_getattr_does(tmp_path, monkeypatch):
+    """Python 3.11.2 (Debian's) and 3.12 pickle an enum member as getattr(its class, its name); 3.11.7 by value.
+    Both are DCP's metadata; a getattr of anything else is refused."""
+    members = _MEM_FORMAT_ENCODING
+    monkeypatch.setattr(members, "__reduce_ex__", lambda self, protocol: (getattr, (type(self), self.name)))
+    written = pickle.dumps(read_metadata(metadata_bytes(tmp_path)))
+    assert b"getattr" in written
+    assert list(read_metadata(written).state_dict_metadata["model.weight"].size) == [4, 3]
+
+    class Hostile:
+        def __reduce__(self):
+            return getattr, (Metadata, "__init__")  # a class the metadata may hold, an attribute it never looks up
+
+    with pytest.raises(InvalidCheckpoint, match=r"^\.metadata looks up '__init__' of Metadata, which DCP's metadata "
+                                                r"never does: refused$"):
+        read_metadata(pickle.dumps(Hostile()))

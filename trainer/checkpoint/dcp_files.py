@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
+    _MEM_FORMAT_ENCODING,
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
@@ -298,6 +299,8 @@ class _MetadataUnpickler(pickle._Unpickler):  # the Python one: its BUILD can be
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
+        if (module, name) == ("builtins", "getattr"):
+            return _memory_format_member  # how some Pythons (3.11.2, 3.12) pickle an enum member: by its name
         raise InvalidCheckpoint(f"{DCP_METADATA} holds {module}.{name}, which is none of DCP's metadata types: "
                                 f"refused (a pickle can run code when loaded)")
 
@@ -316,6 +319,15 @@ class _MetadataUnpickler(pickle._Unpickler):  # the Python one: its BUILD can be
         pickle._Unpickler.load_build(self)
 
     dispatch[pickle.BUILD[0]] = _build
+
+
+def _memory_format_member(owner: Any, name: Any) -> Any:
+    """``getattr`` as DCP's metadata uses it: a member of its memory-format enum, by name, and nothing else."""
+    if owner is not _MEM_FORMAT_ENCODING or not isinstance(name, str) or name not in _MEM_FORMAT_ENCODING.__members__:
+        what = getattr(owner, "__name__", type(owner).__name__)
+        raise InvalidCheckpoint(f"{DCP_METADATA} looks up {name!r} of {what}, which DCP's metadata never does: "
+                                f"refused")
+    return _MEM_FORMAT_ENCODING[name]
 
 
 def read_metadata(data: bytes) -> Metadata:
