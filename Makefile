@@ -73,7 +73,7 @@ bench-quick: venv data ## benchmark suite, quick mode for CI (2-3 min): bench/re
 # Like gpu-check: the GPU machine's own python3 and CUDA torch, no venv. GPU_BENCH_OUT: where the results go
 # (the device tool's $$OUT); BENCH_ARGS: --only NAME to split the figures over calls.
 GPU_BENCH_OUT ?= bench/results/gpu
-gpu-bench: ## the GPU figures (bench/gpu.py; a CUDA GPU, two calls: docs/benchmarks.md) to GPU_BENCH_OUT
+gpu-bench: ## the GPU figures (bench/gpu.py; a CUDA GPU; scripts/gpu-call.sh: docs/benchmarks.md) to GPU_BENCH_OUT
 	PYTHONPATH=. PYTHONUNBUFFERED=1 $(PYTHON) -m bench.gpu --output-dir "$(GPU_BENCH_OUT)" $(BENCH_ARGS)
 
 gpu-bench-smoke: venv ## every GPU figure tiny, on any machine (CI: the CPU): bench/results/raw/gpu-quick/

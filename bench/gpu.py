@@ -2,9 +2,9 @@
 ``make gpu-bench-smoke``).
 
 A full run needs a CUDA GPU, its own Python and torch (``PYTHONPATH=.``, nothing installed; Accelerate and
-Lightning are there), and takes two calls of the lent GPU machine's 10 minutes (``--only gpu-loop``, then the
-other three: docs/benchmarks.md has the plan and each call's expected length). It writes results.json,
-results.md and a summary plot to bench/results/gpu/ (``--output-dir`` elsewhere, the device tool's $OUT say).
+Lightning are there), about 8 minutes on an H100 (scripts/gpu-call.sh runs it within the lent machine's limits:
+docs/benchmarks.md has the plan and each figure's measured length). It writes results.json, results.md and a
+summary plot to bench/results/gpu/ (``--output-dir`` elsewhere, the device tool's $OUT say).
 ``--quick`` is the smoke mode, on any machine, the CPU included: every figure's code path with tiny sizes (CI
 runs it), its numbers meaningless, written to bench/results/raw/gpu-quick/.
 """

@@ -27,7 +27,7 @@ FLAG, REFUSE = ResumeRule.FLAG, ResumeRule.REFUSE
 class DataConfig:
     num_workers: str = option(
         "auto", "DataLoader worker processes per rank; auto: none for a task whose data is in memory, else "
-        "one per two cores of the rank's share (at most 4)")
+        "one per two cores of the rank's share (at most 8)")
     max_train_samples: int = option(0, "use only the first N training samples (0: all)", resume=FLAG)
     max_test_samples: int = option(0, "use only the first N evaluation samples (0: all)")
 

@@ -130,7 +130,10 @@ def train(loop: Loop, args: argparse.Namespace) -> list[float]:
     model = model.to(loop.device, memory_format=layout)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     model, optimizer, batches = loop.setup(model, optimizer, train_set.images, train_set.labels, args.batch_size)
-    totals = torch.zeros(3, device=loop.device)  # loss sum, correct, samples: read at window ends only
+    totals = torch.zeros(2, device=loop.device)  # loss sum, correct: read at window ends only
+    # Counted on the host: a count built on the device each step (torch.tensor(n, device=...)) is a blocking copy,
+    # which made every step wait for the GPU (the first GPU run's references did, 2026-11-25).
+    samples = 0
     windows: list[float] = []
     step = 0
     started = time.perf_counter()
@@ -143,13 +146,14 @@ def train(loop: Loop, args: argparse.Namespace) -> list[float]:
             loop.backward(loss)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            totals += torch.stack([loss.detach() * len(targets), (outputs.argmax(1) == targets).sum(),
-                                   torch.tensor(float(len(targets)), device=loop.device)])
+            totals += torch.stack([loss.detach() * len(targets), (outputs.argmax(1) == targets).sum()])
+            samples += len(targets)
             step += 1
             if step % args.log_every == 0:
-                samples = totals[2].item()  # waits for the device, as the trainer's window does
+                totals.tolist()  # waits for the device, as the trainer's window does
                 windows.append(samples / (time.perf_counter() - started))
                 totals.zero_()
+                samples = 0
                 started = time.perf_counter()
             if step == args.steps:
                 break

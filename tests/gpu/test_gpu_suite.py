@@ -118,26 +118,45 @@ def test_a_gpu_checkpoint_resumes_on_the_cpu_and_back_tensor_by_tensor_like_an_u
 # momentum of a bias whose gradient is rounding noise (a convolution's bias before a BatchNorm). Allowed: 5% of
 # the tensor's largest value plus 5e-4, four times those. AdamW is not used here: it divides by a gradient's
 # running magnitude, and the same two CPU runs differ by up to 25% of a bias after 48 steps.
-SCALE_TOLERANCE, ABSOLUTE_TOLERANCE = 0.05, 5e-4
-CROSS_DEVICE = ["--optimizer", "sgd", "--lr", "0.01", "--cudnn-benchmark", "off"]
+# Measured on an H100 (torch 2.11, 2026-11-25, the moved run against the one that stayed on the GPU, constant
+# learning rate): the GPU and the CPU differ more than two CPU layouts do. Largest difference over the tensor's
+# largest value: weights up to 2.1% (features.4.weight), a BatchNorm running mean 4.2%, momentum buffers up to
+# 7.2% (features.4.weight's), 5.7% (features.0.weight's). Allowed: 10% for the model, 25% for the optimizer's
+# state (momentum is a running gradient, the noisiest tensor), plus 5e-4. A state lost or misplaced by the move
+# is far beyond that: a learning rate schedule that differed for one epoch of three put the first layer's weights
+# 18% apart (a cosine schedule over one epoch, this test's first version).
+SCALE_TOLERANCE, ABSOLUTE_TOLERANCE = {"model": 0.10, "optimizer": 0.25}, 5e-4
+# A constant learning rate: the moved run is three commands of 1, 2 and 3 epochs, and a cosine schedule spans the
+# epochs asked for, so its first epoch would decay to zero where the uninterrupted run's does not (the first GPU
+# run found it: 0.044 apart on a first-layer weight whose largest is 0.24, the same in all three tests).
+CROSS_DEVICE = ["--optimizer", "sgd", "--lr", "0.01", "--schedule", "constant", "--cudnn-benchmark", "off"]
 
 
 def assert_close_tensors(left: object, right: object, path: str) -> None:
+    """Every tensor within the tolerance; a failure lists each tensor outside it (one GPU run has to say it all)."""
+    outside: list[str] = []
+    _compare(left, right, path, outside)
+    assert not outside, "outside the tolerance: " + "; ".join(outside)
+
+
+def _compare(left: object, right: object, path: str, outside: list[str]) -> None:
     if isinstance(left, torch.Tensor):
-        assert isinstance(right, torch.Tensor), path
+        assert isinstance(right, torch.Tensor) and left.shape == right.shape, path
         left, right = left.double(), right.double()
-        allowed = SCALE_TOLERANCE * right.abs().max().item() + ABSOLUTE_TOLERANCE if right.numel() else 0.0
+        scale = SCALE_TOLERANCE[path.split("/")[0]]
+        allowed = scale * right.abs().max().item() + ABSOLUTE_TOLERANCE if right.numel() else 0.0
         difference = (left - right).abs().max().item() if right.numel() else 0.0
         print(f"{path}: largest difference {difference:.3g}, allowed {allowed:.3g}")
-        assert left.shape == right.shape and difference <= allowed, (path, difference, allowed)
+        if not difference <= allowed:
+            outside.append(f"{path} {difference:.3g} > {allowed:.3g}")
     elif isinstance(left, dict):
         assert isinstance(right, dict) and left.keys() == right.keys(), path
         for key in left:
-            assert_close_tensors(left[key], right[key], f"{path}/{key}")
+            _compare(left[key], right[key], f"{path}/{key}", outside)
     elif isinstance(left, list | tuple):
         assert isinstance(right, list | tuple) and len(left) == len(right), path
         for index, (a, b) in enumerate(zip(left, right, strict=True)):
-            assert_close_tensors(a, b, f"{path}/{index}")
+            _compare(a, b, f"{path}/{index}", outside)
     else:
         assert left == right, path
 
@@ -172,7 +191,9 @@ def test_an_async_save_of_cuda_tensors_copies_on_a_side_stream_into_pinned_memor
             saved = verify(open_storage(str(tmp_path)), f"step-{step:08d}").state.model
             assert torch.equal(saved["weight"], torch.full((4096, 4096), float(step - 1)))
             assert torch.equal(saved["running_mean"], torch.full((64,), float(step - 1)))
-        assert all(buffer.is_pinned() for buffer in manager._host._buffers.values())
+        # The CUDA tensors' buffers are pinned; the CPU tensors' (the generators' states) need not be.
+        on_gpu = [buffer for path, buffer in manager._host._buffers.items() if path.startswith("/model/")]
+        assert len(on_gpu) == 2 and all(buffer.is_pinned() for buffer in on_gpu), manager._host._buffers.keys()
         manager.close()
     finally:
         destroy_process_group()
@@ -274,7 +295,8 @@ def test_running_out_of_gpu_memory_writes_the_allocators_history_and_is_one_line
     output = tmp_path / "run"
     result = torchrun([*TASK_RUN, "--output-dir", str(output), "--task", "tests.support.tasks:OutOfMemoryTask",
                        "--batch-size", "8", "--epochs", "1", "--memory-snapshot-on-oom"], nproc=1, timeout_s=400)
-    assert result.returncode == 2, result.stderr[-4000:]
+    exits = re.findall(r"^\s*exitcode\s*: (\d+)", result.stderr, re.MULTILINE)  # torchrun itself exits 1
+    assert result.returncode != 0 and exits == ["2"], result.stderr[-4000:]
     snapshot = output / "profiles" / "rank-0.oom.memory.pickle"
     line = [line for line in result.stderr.splitlines() if "error: out of memory at optimizer step 3" in line]
     assert line and f"the allocator's history is in {snapshot}" in line[0], result.stderr[-4000:]

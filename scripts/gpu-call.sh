@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One call of the lent GPU machine (run from the repository root there, $OUT set by the device tool): the GPU
+# suite, then the GPU figures in order of priority, each bounded so that the whole call ends inside its budget
+# and brings back what finished (a figure cut short loses only itself: results.json is written after each).
+#   GPU_CALL_BUDGET_S  seconds for the whole call (default 540; the device tool's limit is 600)
+#   GPU_SUITE_S        seconds for the suite (default 240; 0 skips it)
+#   GPU_FIGURES        figures in order (default: gpu-loop gpu-checkpoint gpu-sharded gpu-input)
+set -u
+: "${OUT:?run this through the device tool, which sets OUT}"
+deadline=$((SECONDS + ${GPU_CALL_BUDGET_S:-540}))
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+{ date -u; nvidia-smi; python3 -c "import sys, torch; print(sys.version); print(torch.__version__, torch.version.cuda,
+torch.backends.cudnn.version(), torch.cuda.get_device_name(), torch.cuda.nccl.version())"
+  python3 -m pip list 2>/dev/null | grep -i -E "^(torch|torchvision|accelerate|lightning|pytest)[ -]"; } >"$OUT/machine.txt" 2>&1
+suite_s=${GPU_SUITE_S:-240}
+if [ "$suite_s" -gt 0 ]; then
+  timeout -k 10 "$suite_s" python3 -m pytest -v -ra -m gpu -p no:cacheprovider tests/gpu -n 8 --timeout=200 \
+    --durations=0 --junitxml="$OUT/gpu-suite.xml" >"$OUT/gpu-suite.log" 2>&1
+  echo "suite rc=$? after ${SECONDS}s" | tee -a "$OUT/gpu-suite.log"
+  grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/gpu-suite.log" | grep -v "^\[gw" | tail -40
+fi
+for figure in ${GPU_FIGURES:-gpu-loop gpu-checkpoint gpu-sharded gpu-input}; do
+  left=$((deadline - SECONDS))
+  [ "$left" -gt 45 ] || { echo "no time left for $figure"; continue; }
+  echo "== $figure (at most ${left}s), at ${SECONDS}s"
+  timeout -k 10 "$left" python3 -m bench.gpu --output-dir "$OUT/bench" --only "$figure" >>"$OUT/gpu-bench.log" 2>&1
+  echo "$figure rc=$? at ${SECONDS}s" | tee -a "$OUT/gpu-bench.log"
+done
+cat "$OUT/bench/results.md" 2>/dev/null | grep -E "^\|" | head -30
