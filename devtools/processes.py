@@ -68,6 +68,30 @@ def kill_session(process: subprocess.Popen[str]) -> None:
         os.killpg(process.pid, signal.SIGKILL)
 
 
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it, parents first, read from /proc (Linux). torchrun starts its workers in
+    sessions of their own, so killing an agent's session leaves them: a node lost is the whole tree."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(parent, []).append(int(entry.name))
+    found, queue = [], [pid]
+    while queue:
+        current = queue.pop(0)
+        found.append(current)
+        queue.extend(children.get(current, []))
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL to ``pid`` and every process below it (what losing a node does to them), each that is still there."""
+    for member in descendants(pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(member, signal.SIGKILL)
+
+
 def wait_until_answers(process: subprocess.Popen, url: str, what: str, timeout_s: float,
                        output: Callable[[], str] = lambda: "") -> None:
     """Until ``url`` answers an HTTP GET: a server started as ``process`` is ready. Fails if it exits first

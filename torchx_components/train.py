@@ -99,7 +99,11 @@ def ddp(
         all_mounts += ["type=volume", f"src={checkpoint_volume}", f"dst={_RUNS_MOUNT}"]
     # torchrun reads each of its options from PET_<OPTION> when the command line does not give it,
     # and dist.ddp's command line has no --max-restarts.
-    job_env = {"PYTHONUNBUFFERED": "1", "PET_MAX_RESTARTS": str(max_restarts), **(env or {})}
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: a store per rendezvous round, or a node joining an elastic job (-j
+    # MIN:MAXxN) never completes the round (trainer/launchers/torchrun.py, ELASTIC_AGENT_ENV; not imported: a
+    # component loads where only TorchX is installed).
+    job_env = {"PYTHONUNBUFFERED": "1", "PET_MAX_RESTARTS": str(max_restarts),
+               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
     task_args = ["--task", task] if task else []
     return _dist_ddp(*task_args, "--output-dir", output_dir, *script_args, script=script,
                      m=None if script else "trainer", image=image, name=name, h=h, cpu=cpu, gpu=gpu, memMB=memMB,

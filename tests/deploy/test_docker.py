@@ -29,6 +29,7 @@ import pytest
 from devtools.processes import REPO_ROOT, free_port
 from tests.support.checkpoint_reading import newest_checkpoint, summary
 from tests.support.preconditions import unavailable
+from trainer.launchers.torchrun import ELASTIC_AGENT_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -206,6 +207,7 @@ def test_compose_defaults_give_two_nodes_of_two_ranks_safely_configured(tmp_path
     assert "ports" not in node, "nothing is published to the host"
     assert int(node["shm_size"]) >= 256 * 2**20, "Docker's 64 MB /dev/shm kills DataLoader workers"
     assert node["environment"]["OMP_NUM_THREADS"] == "1"
+    assert ELASTIC_AGENT_ENV.items() <= node["environment"].items(), "a node that rejoins completes the round"
     assert {mount["source"] for mount in node["volumes"] if mount["type"] == "volume"} == {"runs", "data", "user-code"}
     assert [mount["read_only"] for mount in node["volumes"] if mount["target"] == "/workspace/user"] == [True]
     # Hardened; the real runs below (every test that trains under Compose) prove training needs no more.

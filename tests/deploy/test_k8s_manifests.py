@@ -21,6 +21,7 @@ from tests.support.k8s_operator import CONTAINER, PodPlan, admission_errors, pod
 from tests.support.kubeflow_api import CHECKS, api_errors
 from trainer.cli import layout, parse_config
 from trainer.config import Config
+from trainer.launchers.torchrun import ELASTIC_AGENT_ENV
 from trainer.task import RunTask
 
 # The oldest Kubernetes the training operator v1.9 supports, and the newest schema known offline.
@@ -259,6 +260,9 @@ def test_elastic_job_joins_a_c10d_rendezvous_that_closes_when_all_workers_are_in
     assert "Master" not in spec["pytorchReplicaSpecs"]
     assert elastic["rdzvBackend"] == "c10d" and elastic["maxRestarts"] >= 1
     assert elastic["minReplicas"] < workers == elastic["maxReplicas"]
+    for plan in pod_plans(job):  # every agent: a node that joins completes the round (ELASTIC_AGENT_ENV)
+        env = {item["name"]: item.get("value") for item in plan.container.get("env", [])}
+        assert all(env.get(name) == value for name, value in ELASTIC_AGENT_ENV.items()), (plan.name, env)
 
 
 def test_kind_job_uses_the_loaded_image_and_volumes_kind_can_provide():

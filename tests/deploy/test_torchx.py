@@ -23,6 +23,7 @@ from torchx.specs.finder import get_component
 from devtools.processes import REPO_ROOT, clean_env, free_port, run
 from tests.support.checkpoint_reading import newest_checkpoint, summary
 from torchx_components.train import ddp
+from trainer.launchers.torchrun import ELASTIC_AGENT_ENV
 
 COMPONENT = "torchx_components/train.py:ddp"
 VENV_BIN = Path(sys.executable).parent
@@ -180,6 +181,7 @@ def test_image_script_and_restarts_can_be_overridden():
     assert role.image == "registry.example.com/ddp-deploy:1.0"
     assert role.args[1].endswith("trainer/main.py --output-dir runs/torchx --epochs 1")
     assert (role.env["PET_MAX_RESTARTS"], role.env["LOGLEVEL"]) == ("0", "INFO")
+    assert ELASTIC_AGENT_ENV.items() <= role.env.items()  # a node can join an elastic job (-j MIN:MAXxN)
 
 
 def test_a_users_task_reaches_the_trainer_in_the_derived_image():

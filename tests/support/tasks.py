@@ -134,6 +134,22 @@ class LedgerTask(Task[LedgerOptions]):
         return outputs.float().mean() + 0 * targets.float().mean()
 
 
+@dataclass
+class PacedLedgerOptions(LedgerOptions):
+    step_delay_s: float = option(0.0, "seconds each loss call waits (a membership change fits mid-epoch)")
+
+
+class PacedLedgerTask(LedgerTask):
+    """The ledger, each step held for a moment: long enough for a test to kill a node, or add one, mid-epoch."""
+
+    name = "paced-ledger"
+    Options = PacedLedgerOptions
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.options.step_delay_s)
+        return super().loss(outputs, targets)
+
+
 class FlattensWithView(nn.Module):
     """A convolution whose output is flattened with ``.view()``: fine in the default layout, an error on a
     channels-last tensor (what --channels-last auto chooses for a conv model on a GPU)."""

@@ -455,3 +455,27 @@ def test_closing_with_an_async_write_still_running_waits_only_until_its_deadline
     go_on.set()  # the storage answers again
     manager._writer.join(30)
     assert names(str(tmp_path)) == [] and open_storage(str(tmp_path)).remove_temporaries() == []
+
+
+def test_a_run_stopped_before_its_end_keeps_the_lease_for_the_next_attempt_when_its_launcher_restarts_it(
+        runtime, log, tmp_path, caplog):
+    """Between two attempts of an elastic job (torchrun restarting its workers) no other job takes the folder; a
+    run that reached its end, or one no launcher restarts in place, releases it for the next job at once."""
+    from dataclasses import replace
+
+    def manager(job: str, restarts_in_place: bool) -> CheckpointManager:
+        identity = replace(runtime.identity, job=job, job_named=True, restarts_in_place=restarts_in_place)
+        made = CheckpointManager(CheckpointConfig(), str(tmp_path), replace(runtime, identity=identity), log,
+                                 Monitor("accuracy", "max"))
+        made.prepare()
+        return made
+
+    manager("elastic", restarts_in_place=True).close(finished=False)  # a membership change, a lost peer
+    assert "keeping the lease of checkpoint folder" in caplog.text
+    with pytest.raises(CheckpointError, match=r"is in use by another job \(elastic"):
+        manager("another", restarts_in_place=False)
+    caplog.clear()
+    manager("elastic", restarts_in_place=True).close(finished=True)  # the next attempt, at once, to the end
+    assert "took the lease of checkpoint folder" in caplog.text and "took over" not in caplog.text
+    manager("another", restarts_in_place=False).close(finished=False)  # released at the end: no wait
+    manager("third", restarts_in_place=False).close()  # nobody restarts "another" in place: released too

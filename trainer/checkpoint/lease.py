@@ -115,7 +115,10 @@ class CheckpointLease:
                         continue
             if self.storage.create_exclusive(LEASE_FOLDER, holder_file(newest + 1), self._record().to_bytes()):
                 self.generation = newest + 1
-                if current is not None and why != "released":
+                if current is not None and current.job == self.job and not current.released:
+                    # Kept for this attempt (CheckpointManager.release_lease), or left by one that was killed.
+                    self.log.info("took the lease of checkpoint folder %s from %s", self.storage.describe(), why)
+                elif current is not None and why != "released":
                     self.log.warning("took over the lease of checkpoint folder %s from %s", self.storage.describe(),
                                      why)
                 for older in generations:
@@ -217,13 +220,17 @@ class CheckpointLease:
             except Exception as error:  # noqa: BLE001
                 self.log.warning("could not renew the lease of %s: %s", self.storage.describe(), error)
 
-    def release(self) -> None:
-        """Mark the lease free, so that the next job starts at once (a run that resumes this one's work)."""
+    def stop_renewing(self) -> None:
+        """Stop renewing and leave the lease as it is: held until it expires, except for this job's next attempt,
+        which takes it at once (a launcher that restarts the workers in place)."""
         self._stop.set()
         if self._renewer is not None:
-            # A renewal stuck in a hung storage call would hold this forever: the release is tried regardless
-            # (it may hang just the same: callers bound it, CheckpointManager.release_lease_within).
+            # A renewal stuck in a hung storage call would hold this forever: what follows goes on regardless.
             self._renewer.join(timeout=RENEWER_JOIN_S)
+
+    def release(self) -> None:
+        """Mark the lease free, so that the next job starts at once (a run that resumes this one's work)."""
+        self.stop_renewing()
         if self.generation is None:
             return
         try:

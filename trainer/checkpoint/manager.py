@@ -327,16 +327,26 @@ class CheckpointManager:
         """Whether a write outlasted --checkpoint-timeout-s: the storage may not answer any more."""
         return self._stalled
 
-    def release_lease(self) -> None:
-        """Release the folder's lease now, without waiting for a save in progress (an exit without one)."""
-        if self.lease is not None:
+    def release_lease(self, finished: bool = True) -> None:
+        """End this job's hold on the folder now, without waiting for a save in progress (an exit without one).
+        Released, so that the next job starts at once; but a run that stops before its end (failed, preempted,
+        a membership change) under a launcher that starts its workers again in place keeps it: between two
+        attempts, no other job may take the folder (a job that starts meanwhile is refused until it expires)."""
+        if self.lease is None:
+            return
+        if not finished and self.runtime.identity.restarts_in_place:
+            self.lease.stop_renewing()
+            self.log.info("keeping the lease of checkpoint folder %s for this job's next attempt (%s restarts its "
+                          "workers)", self.storage.describe(), self.runtime.identity.launcher)
+        else:
             self.lease.release()
-            self.lease = None
+        self.lease = None
 
-    def close(self) -> None:
-        """Release the folder's lease (on rank 0; local, no collective): the next job may start at once."""
+    def close(self, finished: bool = True) -> None:
+        """End the folder's lease (on rank 0; local, no collective; ``release_lease``): the next job may start at
+        once. ``finished``: whether the run reached its end."""
         if self._stalled:  # the storage does not answer: neither the write nor a release would end
-            self.release_lease_within(RELEASE_AFTER_STALL_S)
+            self.release_lease_within(RELEASE_AFTER_STALL_S, finished)
             return
         if self._writer is not None:
             # A save still being written belongs to this job's time in the folder, up to its deadline; past it,
@@ -345,13 +355,13 @@ class CheckpointManager:
             if self._writer.is_alive():
                 self._stalled = True
                 self.log.warning("%s", self._stalled_message(self._writer_name))
-                self.release_lease_within(RELEASE_AFTER_STALL_S)
+                self.release_lease_within(RELEASE_AFTER_STALL_S, finished)
                 return
-        self.release_lease_within(RELEASE_S)  # a storage that hangs now must not keep a finished job alive
+        self.release_lease_within(RELEASE_S, finished)  # a storage that hangs now must not keep a finished job alive
 
-    def release_lease_within(self, seconds: float) -> None:
-        """Release the lease from a thread given ``seconds``: the storage may be what hangs (a forced exit)."""
-        releaser = threading.Thread(target=self.release_lease, name="lease-release", daemon=True)
+    def release_lease_within(self, seconds: float, finished: bool = True) -> None:
+        """End the lease from a thread given ``seconds``: the storage may be what hangs (a forced exit)."""
+        releaser = threading.Thread(target=self.release_lease, args=(finished,), name="lease-release", daemon=True)
         releaser.start()
         releaser.join(seconds)
 

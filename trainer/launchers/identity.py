@@ -29,6 +29,9 @@ class DistIdentity:
     job_named: bool = True
     # The launcher may show each process only its own GPU, as device 0 (srun --gpus-per-task=1).
     may_hide_other_gpus: bool = False
+    # The launcher itself starts this job's workers again when one fails or the membership changes (torchrun with
+    # --max-restarts above 0, elastic or not): a stop before the end keeps the checkpoint folder's lease for them.
+    restarts_in_place: bool = False
 
     @property
     def is_main(self) -> bool:

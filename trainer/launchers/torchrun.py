@@ -9,12 +9,20 @@ import os
 from trainer.launchers.base import LaunchEnv, Launcher, is_loopback, master_address, rank_and_world_size
 from trainer.launchers.identity import DistIdentity
 
+# What every agent of an elastic job (--nnodes=MIN:MAX) needs in its environment. torch 2.14's agents share one
+# TCPStore across rendezvous rounds by default, and then a node that joins a running job never completes the
+# round: the agent that was rank 0 keeps its first round's MASTER_ADDR/MASTER_PORT and does not write them for
+# the new round, while the newcomer waits for exactly those keys (dynamic_rendezvous.next_rendezvous), and every
+# agent ends with DistStoreError after the join timeout. A store per round avoids it. The launch files set it
+# (compose.yaml, k8s/overlays/elastic, the TorchX component); docs/elastic.md has the reproduction.
+ELASTIC_AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
 
 class Torchrun(Launcher):
     name = "torchrun"
     variables = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                  "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-                 "TORCHELASTIC_USE_AGENT_STORE")
+                 "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE")
 
     def detect(self, env: LaunchEnv) -> bool:
         return env.launched() and (env.has("TORCHELASTIC_RUN_ID") or env.has("LOCAL_RANK", "LOCAL_WORLD_SIZE"))
@@ -29,7 +37,8 @@ class Torchrun(Launcher):
         return self.place(env, rank, local_rank, world_size, local_world_size, node_rank, num_nodes,
                           master_address(env, world_size),
                           restart_count=env.number_or("TORCHELASTIC_RESTART_COUNT", 0, "set by torchrun"),
-                          agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+                          agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+                          restarts_in_place=env.number_or("TORCHELASTIC_MAX_RESTARTS", 0, "set by torchrun") > 0)
 
     def job(self, env: LaunchEnv, master_addr: str, master_port: int) -> tuple[str, bool]:
         run_id = env.get("TORCHELASTIC_RUN_ID")
