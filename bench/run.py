@@ -24,6 +24,7 @@ import torch
 
 from bench.figures import (
     checkpointing,
+    elastic,
     image_folder,
     input_pipeline,
     launch_latency,
@@ -58,6 +59,7 @@ FIGURES: dict[str, tuple[str, Callable[[Context], FigureResult]]] = {
     "peers": (peers.TITLE, peers.run),
     "sharded": (sharded.TITLE, sharded.run),
     "sharded-checkpoints": (sharded_checkpoints.TITLE, sharded_checkpoints.run),
+    "elastic": (elastic.TITLE, elastic.run),
 }
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from devtools.processes import REPO_ROOT, TORCHRUN, clean_env, free_port, kill_tree, torchrun
+from devtools.elastic import ElasticJob
+from devtools.processes import torchrun
 from tests.integration.test_resize import LEDGER, assert_each_sample_trained_once, ledger
-from trainer.launchers.torchrun import ELASTIC_AGENT_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -27,35 +27,11 @@ PACED = [*[arg if arg != "tests.support.tasks:LedgerTask" else "tests.support.ta
          "--checkpoint-every", "2"]
 
 
-class Node:
-    """One torchrun agent of the job, its output in a file (a pipe nobody reads would stall it)."""
-
-    def __init__(self, name: str, folder: Path, endpoint: str, env: dict[str, str], sync: str) -> None:
-        self.log = folder / f"agent-{name}.log"
-        command = [*TORCHRUN, "--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d",
-                   f"--rdzv-endpoint={endpoint}", "--rdzv-id=elastic-test", "--max-restarts=4",
-                   # The round closes 3 s after the smallest size is there (30 s by default); a lost agent is
-                   # dropped after 3 missed keep-alives 1 s apart (5 s apart by default: 15 s).
-                   "--rdzv-conf=last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3",
-                   "-m", "trainer", *PACED, "--sync", sync, "--output-dir", str(folder / "run")]
-        with self.log.open("w") as out:
-            self.process = subprocess.Popen(command, env=clean_env(env), cwd=REPO_ROOT, stdout=out,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def lose(self) -> None:
-        kill_tree(self.process.pid)
-        self.process.wait()
-
-
-def wait_for(condition: Callable[[], bool], what: str, nodes: list[Node], timeout_s: float = 180) -> None:
+def wait_for(condition: Callable[[], bool], what: str, job: ElasticJob, timeout_s: float = 180) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
-            pytest.fail(f"waited {timeout_s:.0f} s for {what}; the agents said:\n" +
-                        "\n".join(f"--- {node.log.name}\n{node.text()[-3000:]}" for node in nodes))
+            pytest.fail(f"waited {timeout_s:.0f} s for {what}; the agents said:\n{job.logs()}")
         time.sleep(0.3)
 
 
@@ -90,32 +66,29 @@ def step_sizes(first_world: int, resumes: list[tuple[int, int]]) -> list[int]:
 @pytest.mark.parametrize("sync", ["ddp", "fsdp"])
 def test_a_node_lost_mid_epoch_and_one_added_later_the_job_goes_on_by_itself_training_every_sample_once(tmp_path,
                                                                                                        sync):
-    endpoint = f"127.0.0.1:{free_port()}"
-    first = Node("first", tmp_path, endpoint, ELASTIC_AGENT_ENV, sync)  # hosts the rendezvous: it must stay
-    time.sleep(1)
-    lost = Node("lost", tmp_path, endpoint, ELASTIC_AGENT_ENV, sync)
-    nodes = [first, lost]
     run = tmp_path / "run"
+    job = ElasticJob(tmp_path, [*PACED, "--sync", sync, "--output-dir", str(run)])
+    first = job.start("first")  # serves the rendezvous: it must stay
+    time.sleep(1)
+    lost = job.start("lost")
     try:
-        wait_for(lambda: any(step >= 4 for step in checkpoint_steps(run)), "two ranks to checkpoint step 4", nodes)
+        wait_for(lambda: any(step >= 4 for step in checkpoint_steps(run)), "two ranks to checkpoint step 4", job)
         lost.lose()
-        wait_for(lambda: "[rank 0/1] INFO resumed from" in first.text(), "the survivor to resume alone", nodes)
-        joined = Node("joined", tmp_path, endpoint, ELASTIC_AGENT_ENV, sync)
-        nodes.append(joined)
+        wait_for(lambda: "[rank 0/1] INFO resumed from" in first.text(), "the survivor to resume alone", job)
+        joined = job.start("joined")
         # Meanwhile, an unrelated job on the same checkpoint folder is still refused.
         other = torchrun([*PACED, "--sync", sync, "--output-dir", str(run)], nproc=1, timeout_s=120)
         assert other.returncode != 0 and "is in use by another job (torchrun-elastic-test" in other.stderr, \
             other.stderr[-3000:]
-        for node in (first, joined):
+        for agent in (first, joined):
             try:
-                node.process.wait(timeout=240)
+                agent.process.wait(timeout=240)
             except subprocess.TimeoutExpired:
-                wait_for(lambda: False, "the job to end", nodes, timeout_s=0)
-            assert node.process.returncode == 0, node.text()[-3000:]
+                wait_for(lambda: False, "the job to end", job, timeout_s=0)
+            assert agent.process.returncode == 0, agent.text()[-3000:]
     finally:
-        for node in nodes:
-            kill_tree(node.process.pid)
-    logs = [node.text() for node in nodes]
+        job.stop()
+    logs = [agent.text() for agent in job.agents]
     resumes = segments(logs)
     assert [world for world, _ in resumes] == [1, 2], resumes  # shrunk to one rank, then grew back to two
     sizes = step_sizes(2, resumes)
