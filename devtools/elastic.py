@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import re
 import subprocess
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from devtools.processes import REPO_ROOT, TORCHRUN, clean_env, free_port, kill_tree
-from trainer.launchers.torchrun import ELASTIC_AGENT_ENV
+from devtools.processes import REPO_ROOT, TORCHRUN, clean_env, free_port, kill_marked, kill_tree
+from trainer.launchers import ELASTIC_AGENT_ENV
 
 # The round closes 3 s after the smallest size is there (30 s by default); a lost agent is dropped after 3 missed
 # keep-alives 1 s apart (5 s apart by default: 15 s).
@@ -30,20 +31,23 @@ class ElasticJob:
     env: Mapping[str, str] = field(default_factory=lambda: dict(ELASTIC_AGENT_ENV))
     endpoint: str = field(default_factory=lambda: f"127.0.0.1:{free_port()}")
     agents: list[Agent] = field(default_factory=list)
+    mark: str = field(default_factory=lambda: uuid.uuid4().hex)  # in every process of the job, for stop()
 
     def start(self, name: str) -> Agent:
-        """A new agent (node) of one rank. The first one started serves the rendezvous: it must stay."""
+        """A new agent (node) of one rank. The first one started serves the rendezvous (every agent on a loopback
+        endpoint would try): it must stay."""
+        host = "1" if not self.agents else "0"
         command = [*TORCHRUN, f"--nnodes={self.nnodes}", "--nproc-per-node=1", "--rdzv-backend=c10d",
                    f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}", "--max-restarts=4",
-                   f"--rdzv-conf={self.rdzv_conf}", "-m", "trainer", *self.trainer_args]
-        agent = Agent(name, self.folder / f"agent-{name}.log", command, self.env)
+                   f"--rdzv-conf={self.rdzv_conf},is_host={host}", "-m", "trainer", *self.trainer_args]
+        agent = Agent(name, self.folder / f"agent-{name}.log", command, {**self.env, "DDP_DEVTOOLS_MARK": self.mark})
         self.agents.append(agent)
         return agent
 
     def stop(self) -> None:
-        """Every agent and every process below it, whatever state they are in."""
+        """Every process of the job, whatever state it is in (also workers whose agent is gone)."""
+        kill_marked(self.mark)
         for agent in self.agents:
-            kill_tree(agent.process.pid)
             agent.process.wait()
 
     def logs(self) -> str:

@@ -92,6 +92,17 @@ def kill_tree(pid: int) -> None:
             os.kill(member, signal.SIGKILL)
 
 
+def kill_marked(mark: str) -> None:
+    """SIGKILL to every process whose environment holds ``DDP_DEVTOOLS_MARK=mark``: what a test started and all
+    that those started, also the ones left to init when their parent died (which a tree misses)."""
+    wanted = f"DDP_DEVTOOLS_MARK={mark}".encode()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                if wanted in (entry / "environ").read_bytes().split(b"\0"):
+                    os.kill(int(entry.name), signal.SIGKILL)
+
+
 def wait_until_answers(process: subprocess.Popen, url: str, what: str, timeout_s: float,
                        output: Callable[[], str] = lambda: "") -> None:
     """Until ``url`` answers an HTTP GET: a server started as ``process`` is ready. Fails if it exits first

@@ -28,6 +28,7 @@ import torch
 
 from trainer.build import build_training
 from trainer.checkpoint import CheckpointManager, Monitor
+from trainer.checkpoint.manager import FAILED, FINISHED, STOPPED
 from trainer.cli import dump_yaml, layout, parse_config
 from trainer.config import Config
 from trainer.distributed import (
@@ -136,7 +137,7 @@ def _exit_stuck(runtime: Runtime, diagnosis: str, checkpoints: CheckpointManager
     thread cannot be unwound: it waits in the device or in a collective that never ends)."""
     print(f"[rank {runtime.identity.rank}] error: {redact(diagnosis + _timeout_advice(runtime))}; exiting with "
           f"{EXIT_PEER_LOST} so the launcher restarts the job from its last checkpoint", file=sys.stderr, flush=True)
-    checkpoints.release_lease_within(FORCED_EXIT_CLEANUP_S, finished=False)
+    checkpoints.release_lease_within(FORCED_EXIT_CLEANUP_S, FAILED)
     os._exit(EXIT_PEER_LOST)
 
 
@@ -192,18 +193,21 @@ def train(config: Config, task: RunTask, runtime: Runtime) -> dict[str, object]:
     watcher = PreemptionWatcher(config.checkpoint.grace_period_s, runtime, log)
     watcher.install()  # before the slow parts, so an early SIGTERM is not lost
     checkpoints = CheckpointManager(config.checkpoint, config.checkpoint_location, runtime, log, Monitor(*task.monitor))
-    watcher.before_forced_exit = lambda: checkpoints.release_lease(finished=False)
+    watcher.before_forced_exit = lambda: checkpoints.release_lease(STOPPED)
     if runtime.liveness is not None:
         runtime.liveness.watch_progress(config.dist.collective_timeout_s + PROGRESS_GRACE_S,
                                         lambda diagnosis: _exit_stuck(runtime, diagnosis, checkpoints))
     tracking = Tracking(config.tracking, output_dir, runtime.is_main, log)
     # Ends the tracker runs as the training ends: finished, preempted (within the grace period) or failed.
     with tracking.run(end_by=watcher.exit_deadline):
-        finished = False
+        ending = FAILED
         try:
             result, trainer = _prepare_and_fit(config, task, runtime, checkpoints, watcher, log, shown_config,
                                                tracking)
-            finished = True
+            ending = FINISHED
+        except Preempted:
+            ending = STOPPED
+            raise
         except RuntimeError as error:
             if runtime.liveness is None or not TIMED_OUT.search(str(error)):
                 raise
@@ -216,7 +220,7 @@ def train(config: Config, task: RunTask, runtime: Runtime) -> dict[str, object]:
             finally:
                 # The folder's lease: released, or kept for the next attempt of a job its launcher restarts in
                 # place (CheckpointManager.release_lease); a kill leaves it to expire.
-                checkpoints.close(finished)
+                checkpoints.close(ending)
                 watcher.uninstall()
         summary = _summary(task, result, runtime, trainer, time.perf_counter() - started)
         agreed(runtime, lambda: write_summary(output_dir, summary) if runtime.is_main else None, OutputError)

@@ -7,13 +7,16 @@ the first step completed after it, split into detection (the survivor's worker f
 rendezvous (the agent's "Rendezvous complete"), and the restart up to the first step (process start, checkpoint
 load, the step: metrics.jsonl); and the steps lost (trained before the kill, after the checkpoint resumed). Then
 an agent joins: the time from its start to the first step at two ranks, and the steps lost (none: the running
-workers stop at their step and save). The reference, in the same round: a cold start of the same job, one
-torchrun at one rank resuming the same checkpoint, from its launch to its first step.
+workers stop at their step and save). Then that agent leaves gracefully (SIGTERM, as a scale-down or a drained
+node sends it): every rank stops at the same step and saves, and the survivor goes on alone. The reference, in
+the same round: a cold start of the same job, one torchrun at one rank resuming the same checkpoint, from its
+launch to its first step.
 """
 
 from __future__ import annotations
 
 import re
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +26,7 @@ from bench.harness.launch import BenchError, read_metrics, run_trainer
 from bench.harness.measure import load_average, median
 from bench.harness.results import FigureResult, Goal, Row
 from devtools.elastic import Agent, ElasticJob
-from trainer.launchers.torchrun import ELASTIC_AGENT_ENV
+from trainer.launchers import ELASTIC_AGENT_ENV
 
 TITLE = "Elastic membership change (2 agents of 1 rank, loopback): recovery and lost work"
 ARGS = ("--dataset", "synthetic", "--synthetic-train-size", "4096", "--synthetic-test-size", "64", "--batch-size",
@@ -39,6 +42,7 @@ def run(ctx: Context) -> FigureResult:
     rounds = [_round(ctx.scratch(f"elastic-{index}")) for index in range(ctx.pick(3, 1))]
     loss = [r["loss"] for r in rounds]
     join = [r["join"] for r in rounds]
+    leave = [r["leave"] for r in rounds]
     cold = [r["cold_start_s"] for r in rounds]
     total = [case["total_s"] for case in loss]
     parts = {name: median([case[name] for case in loss]) for name in ("detection_s", "rendezvous_s", "restart_s")}
@@ -58,6 +62,14 @@ def run(ctx: Context) -> FigureResult:
                   f"again)"),
         Row("node joined: steps lost", median([case["lost_steps"] for case in join]), Goal("<=", 0.0),
             notes=f"per round: {[c['lost_steps'] for c in join]}"),
+        Row("node left gracefully (its agent got SIGTERM): to the first step after it / a cold start",
+            median([case["total_s"] / c for case, c in zip(leave, cold, strict=True)]), RECOVERY_GOAL,
+            notes=f"{median([case['total_s'] for case in leave]):.1f} s: every rank stops at one step and saves "
+                  f"{median([case['detection_s'] for case in leave]):.1f} s, rendezvous "
+                  f"{median([case['rendezvous_s'] for case in leave]):.1f} s, restart "
+                  f"{median([case['restart_s'] for case in leave]):.1f} s"),
+        Row("node left gracefully: steps lost", median([case["lost_steps"] for case in leave]), Goal("<=", 0.0),
+            notes=f"per round: {[c['lost_steps'] for c in leave]}"),
     ]
     details: dict[str, Any] = {"rounds": rounds, "trainer_args": list(ARGS), "load_average": [load_before,
                                                                                                 load_average()]}
@@ -77,8 +89,11 @@ def _round(work: Path) -> dict[str, Any]:
         lost.lose()
         loss = _recovery(first, job, out, since=killed, world=1, event="failed \\(exitcode")
         joined_at = time.time()
-        job.start("joined")
+        joined = job.start("joined")
         join = _recovery(first, job, out, since=joined_at, world=2, event="closing signal SIGTERM")
+        left_at = time.time()
+        joined.process.send_signal(signal.SIGTERM)  # a graceful scale-down: its agent stops its worker
+        leave = _recovery(first, job, out, since=left_at, world=1, event="failed \\(exitcode")
     finally:
         job.stop()
     checkpoint = sorted((out / "checkpoints").glob("step-*"))[-1]
@@ -86,14 +101,15 @@ def _round(work: Path) -> dict[str, Any]:
     cold = run_trainer([*ARGS, "--resume", str(checkpoint), "--max-steps", str(step + 1)], work / "cold", nproc=1,
                        timeout_s=TIMEOUT_S, quiet=())
     first_after = next(record["time"] for record in cold.records if record["kind"] == "train")
-    return {"loss": loss, "join": join, "cold_start_s": first_after - cold.launched_at}
+    return {"loss": loss, "join": join, "leave": leave, "cold_start_s": first_after - cold.launched_at}
 
 
 def _recovery(agent: Agent, job: ElasticJob, out: Path, since: float, world: int, event: str) -> dict[str, Any]:
     """From ``since`` (the kill, or the new agent's start) to the first step of the workers restarted at
     ``world`` ranks: the agent's ``event`` (the worker's failure, or its stop), the next rendezvous, the step."""
     before = max((record["step"] for record in _train(out) if record["time"] < since), default=0)
-    _wait(lambda: len(_resumes(job, world)) > 0, f"the workers to resume at {world} rank(s)", job)
+    known = len(_resumes(job, world))
+    _wait(lambda: len(_resumes(job, world)) > known, f"the workers to resume at {world} rank(s)", job)
     _wait(lambda: any(record["time"] > _complete(agent, since) for record in _train(out)), "a step after it", job)
     stopped = min(t for t in agent.events(event) if t > since - 1)
     rendezvous = _complete(agent, since)

@@ -29,7 +29,7 @@ import pytest
 from devtools.processes import REPO_ROOT, free_port
 from tests.support.checkpoint_reading import newest_checkpoint, summary
 from tests.support.preconditions import unavailable
-from trainer.launchers.torchrun import ELASTIC_AGENT_ENV
+from trainer.launchers import ELASTIC_AGENT_ENV
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ from tests.support.k8s_operator import CONTAINER, PodPlan, admission_errors, pod
 from tests.support.kubeflow_api import CHECKS, api_errors
 from trainer.cli import layout, parse_config
 from trainer.config import Config
-from trainer.launchers.torchrun import ELASTIC_AGENT_ENV
+from trainer.launchers import ELASTIC_AGENT_ENV
 from trainer.task import RunTask
 
 # The oldest Kubernetes the training operator v1.9 supports, and the newest schema known offline.

@@ -23,7 +23,7 @@ from torchx.specs.finder import get_component
 from devtools.processes import REPO_ROOT, clean_env, free_port, run
 from tests.support.checkpoint_reading import newest_checkpoint, summary
 from torchx_components.train import ddp
-from trainer.launchers.torchrun import ELASTIC_AGENT_ENV
+from trainer.launchers import ELASTIC_AGENT_ENV
 
 COMPONENT = "torchx_components/train.py:ddp"
 VENV_BIN = Path(sys.executable).parent

@@ -119,13 +119,15 @@ def test_a_gpu_checkpoint_resumes_on_the_cpu_and_back_tensor_by_tensor_like_an_u
 # the tensor's largest value plus 5e-4, four times those. AdamW is not used here: it divides by a gradient's
 # running magnitude, and the same two CPU runs differ by up to 25% of a bias after 48 steps.
 # Measured on an H100 (torch 2.11, 2026-11-25, the moved run against the one that stayed on the GPU, constant
-# learning rate): the GPU and the CPU differ more than two CPU layouts do. Largest difference over the tensor's
-# largest value: weights up to 2.1% (features.4.weight), a BatchNorm running mean 4.2%, momentum buffers up to
-# 7.2% (features.4.weight's), 5.7% (features.0.weight's). Allowed: 10% for the model, 25% for the optimizer's
-# state (momentum is a running gradient, the noisiest tensor), plus 5e-4. A state lost or misplaced by the move
-# is far beyond that: a learning rate schedule that differed for one epoch of three put the first layer's weights
-# 18% apart (a cosine schedule over one epoch, this test's first version).
-SCALE_TOLERANCE, ABSOLUTE_TOLERANCE = {"model": 0.10, "optimizer": 0.25}, 5e-4
+# learning rate, one run): the GPU and the CPU differ more than two CPU layouts do. Largest difference over the
+# tensor's largest value: weights up to 2.1% (features.4.weight), a BatchNorm running mean 4.2%, momentum buffers
+# up to 9.2% (features.4.weight's) and 5.7% (features.0.weight's). Allowed: 10% for the model and 15% for the
+# optimizer's state (momentum is a running gradient, the noisiest tensor), plus 5e-4; integer tensors (BatchNorm's
+# num_batches_tracked) exactly. These bounds were set after that run and have not run on a GPU yet. What they
+# catch: a schedule that differed for one epoch of three put the first layer's weights 18% apart (this test's
+# first version); momentum dropped at the move back to the GPU would differ at the end by 0.9^16 (0.19) of the
+# momentum at the move (an estimate). What they cannot catch: smaller losses, within the GPU's drift from the CPU.
+SCALE_TOLERANCE, ABSOLUTE_TOLERANCE = {"model": 0.10, "optimizer": 0.15}, 5e-4
 # A constant learning rate: the moved run is three commands of 1, 2 and 3 epochs, and a cosine schedule spans the
 # epochs asked for, so its first epoch would decay to zero where the uninterrupted run's does not (the first GPU
 # run found it: 0.044 apart on a first-layer weight whose largest is 0.24, the same in all three tests).
@@ -142,9 +144,10 @@ def assert_close_tensors(left: object, right: object, path: str) -> None:
 def _compare(left: object, right: object, path: str, outside: list[str]) -> None:
     if isinstance(left, torch.Tensor):
         assert isinstance(right, torch.Tensor) and left.shape == right.shape, path
+        exact = not (left.is_floating_point() or right.is_floating_point())  # counters: no drift to allow for
         left, right = left.double(), right.double()
         scale = SCALE_TOLERANCE[path.split("/")[0]]
-        allowed = scale * right.abs().max().item() + ABSOLUTE_TOLERANCE if right.numel() else 0.0
+        allowed = 0.0 if exact or not right.numel() else scale * right.abs().max().item() + ABSOLUTE_TOLERANCE
         difference = (left - right).abs().max().item() if right.numel() else 0.0
         print(f"{path}: largest difference {difference:.3g}, allowed {allowed:.3g}")
         if not difference <= allowed:

@@ -498,8 +498,10 @@ def test_a_sharded_save_whose_reports_never_reach_rank_0_fails_on_every_rank_and
     args = [*ARGS, "--batch-size", str(GLOBAL_BATCH // 2), "--output-dir", str(tmp_path), "--sync", "fsdp",
             "--checkpoint-every", "3"]
     result = torchrun(args, nproc=2, module="tests.workers.broken_gather")
-    exits = re.findall(r"^\s*exitcode\s*: (\d+)", result.stderr, re.MULTILINE)  # torchrun's summary of its ranks
-    assert sorted(exits) == ["2", "2"], result.stderr[-3000:]
+    # torchrun's summary of its ranks: the first to exit 2, the other 2 as well, or SIGTERM (-15) when torchrun
+    # stopped it first (its error line below is printed either way; seen under load, 2026-11-25).
+    exits = re.findall(r"^\s*exitcode\s*: (-?\d+)", result.stderr, re.MULTILINE)
+    assert "2" in exits and sorted(exits) in (["2", "2"], ["-15", "2"]), result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if "] error:" in line]
     assert len(lines) == 2 and all("checkpoint" in line and "step-00000003" in line and "did not reach rank 0"
                                    in line for line in lines), lines

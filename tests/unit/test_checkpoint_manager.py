@@ -459,23 +459,40 @@ def test_closing_with_an_async_write_still_running_waits_only_until_its_deadline
 
 def test_a_run_stopped_before_its_end_keeps_the_lease_for_the_next_attempt_when_its_launcher_restarts_it(
         runtime, log, tmp_path, caplog):
-    """Between two attempts of an elastic job (torchrun restarting its workers) no other job takes the folder; a
-    run that reached its end, or one no launcher restarts in place, releases it for the next job at once."""
+    """Between two attempts of a job whose launcher restarts its workers (torchrun: a membership change, a lost
+    peer) no other job takes the folder. Released: at the end, after the last restart's failure, or where no
+    launcher restarts in place. Kept, the lease is no longer renewed (it expires as a killed job's does)."""
     from dataclasses import replace
 
-    def manager(job: str, restarts_in_place: bool) -> CheckpointManager:
-        identity = replace(runtime.identity, job=job, job_named=True, restarts_in_place=restarts_in_place)
+    from trainer.checkpoint.manager import FAILED, FINISHED, STOPPED
+
+    def manager(job: str, restarts_left: int | None) -> CheckpointManager:
+        identity = replace(runtime.identity, job=job, job_named=True, restarts_left=restarts_left)
         made = CheckpointManager(CheckpointConfig(), str(tmp_path), replace(runtime, identity=identity), log,
                                  Monitor("accuracy", "max"))
         made.prepare()
         return made
 
-    manager("elastic", restarts_in_place=True).close(finished=False)  # a membership change, a lost peer
-    assert "keeping the lease of checkpoint folder" in caplog.text
-    with pytest.raises(CheckpointError, match=r"is in use by another job \(elastic"):
-        manager("another", restarts_in_place=False)
-    caplog.clear()
-    manager("elastic", restarts_in_place=True).close(finished=True)  # the next attempt, at once, to the end
-    assert "took the lease of checkpoint folder" in caplog.text and "took over" not in caplog.text
-    manager("another", restarts_in_place=False).close(finished=False)  # released at the end: no wait
-    manager("third", restarts_in_place=False).close()  # nobody restarts "another" in place: released too
+    def refused(job: str) -> bool:
+        try:
+            manager(job, None).close(FAILED)
+        except CheckpointError as error:
+            assert "is in use by another job (elastic" in str(error)
+            return True
+        return False
+
+    for ending, left in ((STOPPED, 0), (FAILED, 2)):  # a signal (membership change), a failure with restarts left
+        held = manager("elastic", restarts_left=left)
+        lease = held.lease
+        held.close(ending)
+        assert lease is not None and lease._renewer is not None and not lease._renewer.is_alive(), "renewals stop"
+        assert "keeping the lease of checkpoint folder" in caplog.text
+        assert refused("another")
+        caplog.clear()
+        manager("elastic", restarts_left=left).close(FINISHED)  # the next attempt takes it at once, to the end
+        assert "took the lease of checkpoint folder" in caplog.text and "took over" not in caplog.text
+        assert not refused("another")  # released at the end: no wait
+    manager("elastic", restarts_left=0).close(FAILED)  # the last attempt failed: nobody restarts it
+    assert not refused("another")
+    manager("another", restarts_left=None).close(STOPPED)  # no launcher restarts it in place
+    assert not refused("third")

@@ -35,6 +35,8 @@ from trainer.redact import redact
 RELEASE_AFTER_STALL_S = 2.0
 # At a normal end: a release that takes longer is left to the lease's expiry (the storage hangs).
 RELEASE_S = 10.0
+# How a run ended, for the lease (release_lease).
+FINISHED, STOPPED, FAILED = "finished", "stopped", "failed"
 
 
 @dataclass(frozen=True)
@@ -327,26 +329,32 @@ class CheckpointManager:
         """Whether a write outlasted --checkpoint-timeout-s: the storage may not answer any more."""
         return self._stalled
 
-    def release_lease(self, finished: bool = True) -> None:
+    def release_lease(self, ending: str = FINISHED) -> None:
         """End this job's hold on the folder now, without waiting for a save in progress (an exit without one).
-        Released, so that the next job starts at once; but a run that stops before its end (failed, preempted,
-        a membership change) under a launcher that starts its workers again in place keeps it: between two
-        attempts, no other job may take the folder (a job that starts meanwhile is refused until it expires)."""
+        Released, so that the next job starts at once; but where the launcher starts this job's workers again
+        itself (``restarts_left``), a run that stops before its end keeps it for the next attempt, so that no other
+        job takes the folder in between: stopped by a signal (a membership change of an elastic job looks the same
+        as the launcher's own end) or failed with restarts left. Kept, it is no longer renewed: another job may
+        take it once it expires (--lease-expiry-s after its last renewal)."""
         if self.lease is None:
             return
-        if not finished and self.runtime.identity.restarts_in_place:
+        left = self.runtime.identity.restarts_left
+        if left is not None and (ending == STOPPED or (ending == FAILED and left > 0)):
             self.lease.stop_renewing()
-            self.log.info("keeping the lease of checkpoint folder %s for this job's next attempt (%s restarts its "
-                          "workers)", self.storage.describe(), self.runtime.identity.launcher)
+            self.log.info("keeping the lease of checkpoint folder %s for this job's next attempt, should %s start "
+                          "one (%s); any other job may take it once it expires, %gs after its last renewal",
+                          self.storage.describe(), self.runtime.identity.launcher,
+                          "stopped by a signal" if ending == STOPPED else f"{left} restart(s) left",
+                          self.config.lease_expiry_s)
         else:
             self.lease.release()
         self.lease = None
 
-    def close(self, finished: bool = True) -> None:
+    def close(self, ending: str = FINISHED) -> None:
         """End the folder's lease (on rank 0; local, no collective; ``release_lease``): the next job may start at
-        once. ``finished``: whether the run reached its end."""
+        once. ``ending``: how the run ended (FINISHED, STOPPED by a signal, FAILED)."""
         if self._stalled:  # the storage does not answer: neither the write nor a release would end
-            self.release_lease_within(RELEASE_AFTER_STALL_S, finished)
+            self.release_lease_within(RELEASE_AFTER_STALL_S, ending)
             return
         if self._writer is not None:
             # A save still being written belongs to this job's time in the folder, up to its deadline; past it,
@@ -355,13 +363,13 @@ class CheckpointManager:
             if self._writer.is_alive():
                 self._stalled = True
                 self.log.warning("%s", self._stalled_message(self._writer_name))
-                self.release_lease_within(RELEASE_AFTER_STALL_S, finished)
+                self.release_lease_within(RELEASE_AFTER_STALL_S, ending)
                 return
-        self.release_lease_within(RELEASE_S, finished)  # a storage that hangs now must not keep a finished job alive
+        self.release_lease_within(RELEASE_S, ending)  # a storage that hangs now must not keep a finished job alive
 
-    def release_lease_within(self, seconds: float, finished: bool = True) -> None:
+    def release_lease_within(self, seconds: float, ending: str = FINISHED) -> None:
         """End the lease from a thread given ``seconds``: the storage may be what hangs (a forced exit)."""
-        releaser = threading.Thread(target=self.release_lease, args=(finished,), name="lease-release", daemon=True)
+        releaser = threading.Thread(target=self.release_lease, args=(ending,), name="lease-release", daemon=True)
         releaser.start()
         releaser.join(seconds)
 

@@ -20,11 +20,11 @@ from trainer.launchers.pytorchjob import PyTorchJob
 from trainer.launchers.single import SingleProcess
 from trainer.launchers.slurm import SlurmBatchScript, SlurmTasks
 from trainer.launchers.slurm_torchrun import TorchrunUnderSlurm
-from trainer.launchers.torchrun import Torchrun
+from trainer.launchers.torchrun import ELASTIC_AGENT_ENV, Torchrun
 from trainer.launchers.trainjob import TrainJob
 
-__all__ = ["LAUNCHERS", "LAUNCHER_PREFIXES", "LAUNCHER_VARIABLES", "DistIdentity", "LaunchEnv", "Launcher",
-           "identity_from_env", "is_loopback", "launcher_of", "without_launcher_variables"]
+__all__ = ["ELASTIC_AGENT_ENV", "LAUNCHERS", "LAUNCHER_PREFIXES", "LAUNCHER_VARIABLES", "DistIdentity", "LaunchEnv",
+           "Launcher", "identity_from_env", "is_loopback", "launcher_of", "without_launcher_variables"]
 
 LAUNCHERS: tuple[Launcher, ...] = (TorchrunUnderSlurm(), Torchrun(), PyTorchJob(), PlainEnvironment(), SlurmTasks(),
                                    SlurmBatchScript(), TrainJob(), SingleProcess())

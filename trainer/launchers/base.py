@@ -97,7 +97,7 @@ class Launcher(ABC):
 
     def place(self, env: LaunchEnv, rank: int, local_rank: int, world_size: int, local_world_size: int,
               node_rank: int, num_nodes: int, master: tuple[str, int], restart_count: int = 0,
-              **extra: bool) -> DistIdentity:
+              **extra: bool | int | None) -> DistIdentity:
         """The identity, after the checks every dialect shares and with this dialect's job name."""
         if local_rank >= local_world_size:
             raise LaunchEnvError(f"LOCAL_RANK={local_rank} is not below LOCAL_WORLD_SIZE={local_world_size}; "

@@ -29,9 +29,11 @@ class DistIdentity:
     job_named: bool = True
     # The launcher may show each process only its own GPU, as device 0 (srun --gpus-per-task=1).
     may_hide_other_gpus: bool = False
-    # The launcher itself starts this job's workers again when one fails or the membership changes (torchrun with
-    # --max-restarts above 0, elastic or not): a stop before the end keeps the checkpoint folder's lease for them.
-    restarts_in_place: bool = False
+    # How many more times the launcher itself starts this job's workers again after a failure (torchrun's
+    # --max-restarts less TORCHELASTIC_RESTART_COUNT); None where it never does. Such a launcher also restarts
+    # them, without counting, when the membership of an elastic job changes. A stop before the end then keeps the
+    # checkpoint folder's lease for the next attempt (CheckpointManager.release_lease).
+    restarts_left: int | None = None
 
     @property
     def is_main(self) -> bool:

@@ -34,11 +34,12 @@ class Torchrun(Launcher):
         node_rank = env.number_or("GROUP_RANK", 0, "set by torchrun")
         num_nodes = env.number_or("GROUP_WORLD_SIZE", max(1, world_size // local_world_size), "set by torchrun",
                                   minimum=1)
+        restart_count = env.number_or("TORCHELASTIC_RESTART_COUNT", 0, "set by torchrun")
+        max_restarts = env.number_or("TORCHELASTIC_MAX_RESTARTS", 0, "set by torchrun")
         return self.place(env, rank, local_rank, world_size, local_world_size, node_rank, num_nodes,
-                          master_address(env, world_size),
-                          restart_count=env.number_or("TORCHELASTIC_RESTART_COUNT", 0, "set by torchrun"),
+                          master_address(env, world_size), restart_count=restart_count,
                           agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-                          restarts_in_place=env.number_or("TORCHELASTIC_MAX_RESTARTS", 0, "set by torchrun") > 0)
+                          restarts_left=max(0, max_restarts - restart_count) if max_restarts > 0 else None)
 
     def job(self, env: LaunchEnv, master_addr: str, master_port: int) -> tuple[str, bool]:
         run_id = env.get("TORCHELASTIC_RUN_ID")

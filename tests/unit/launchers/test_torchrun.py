@@ -38,8 +38,10 @@ def test_a_loopback_rendezvous_names_no_job_so_two_machines_jobs_are_never_taken
     assert identity_from_env({**static, "MASTER_ADDR": "10.0.0.5"}).job_named  # other hosts reach it: a name
 
 
-def test_workers_of_an_agent_that_restarts_them_keep_their_jobs_lease_between_attempts():
+def test_workers_know_how_many_more_times_their_agent_restarts_them():
     """torchrun with --max-restarts above 0 starts its workers again itself (CheckpointManager.release_lease)."""
-    assert not identity_from_env(TORCHRUN_NODE1_RANK3).restarts_in_place  # no TORCHELASTIC_MAX_RESTARTS: none
-    assert not identity_from_env({**TORCHRUN_NODE1_RANK3, "TORCHELASTIC_MAX_RESTARTS": "0"}).restarts_in_place
-    assert identity_from_env({**TORCHRUN_NODE1_RANK3, "TORCHELASTIC_MAX_RESTARTS": "3"}).restarts_in_place
+    assert identity_from_env(TORCHRUN_NODE1_RANK3).restarts_left is None  # no TORCHELASTIC_MAX_RESTARTS: never
+    assert identity_from_env({**TORCHRUN_NODE1_RANK3, "TORCHELASTIC_MAX_RESTARTS": "0"}).restarts_left is None
+    attempts = {**TORCHRUN_NODE1_RANK3, "TORCHELASTIC_MAX_RESTARTS": "3"}
+    assert identity_from_env(attempts).restarts_left == 3
+    assert identity_from_env({**attempts, "TORCHELASTIC_RESTART_COUNT": "3"}).restarts_left == 0  # the last one
