@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from trainer.checkpoint.parts import PartKind, RestoreContext, StatePart, StateParts
 from trainer.checkpoint.shards import is_marker
 from trainer.config import Config
+from trainer.cores import usable_cores
 from trainer.distributed import Runtime, agreed
 from trainer.errors import TaskError, described
 from trainer.evaluation import MetricSet
@@ -119,13 +119,13 @@ def evaluation_loader(dataset: Dataset[Any], world_size: int, rank: int, batch_s
 
 
 def loader_workers(setting: str, in_memory: bool, local_world_size: int) -> int:
-    """--num-workers: a number, or auto: none for data in memory, else one per two cores of this rank's share."""
+    """--num-workers: a number, or auto: none for data in memory, else one per two cores of this rank's share
+    (its container's CPU limit counted: trainer.cores)."""
     if setting != "auto":
         return int(setting)
     if in_memory:
         return 0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(MAX_AUTO_WORKERS, cores // max(1, local_world_size) // 2))
+    return max(1, min(MAX_AUTO_WORKERS, usable_cores() // max(1, local_world_size) // 2))
 
 
 def first(dataset: Dataset[Any], count: int) -> Dataset[Any]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 import uuid
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import DistConfig
+from trainer.cores import usable_cores
 from trainer.errors import DeviceError, RendezvousError, UserError, first_line
 from trainer.launchers import DistIdentity
 from trainer.liveness import PROGRESS_GRACE_S, Liveness
@@ -87,8 +87,7 @@ def threads_per_rank(config: DistConfig, identity: DistIdentity, environ: dict[s
     omp = environ.get("OMP_NUM_THREADS", "").strip()
     if omp.isdigit() and int(omp) > 0:
         return int(omp)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // identity.local_world_size)
+    return max(1, usable_cores() // identity.local_world_size)
 
 
 def wait_for_master(addr: str, port: int, timeout_s: float, initial_delay_s: float = 0.2,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -166,6 +167,26 @@ def test_auto_loader_workers_are_one_per_two_cores_of_the_ranks_share_up_to_eigh
                                                                                    expected):
     """The GPU run found 4 (the old cap) decoding JPEG at under half of what an H100 trains from memory."""
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr("trainer.cores.CGROUP", Path("/nonexistent"))  # no container limit here
     assert loader_workers("auto", in_memory=False, local_world_size=local_ranks) == expected
     assert loader_workers("auto", in_memory=True, local_world_size=local_ranks) == 0
     assert loader_workers("3", in_memory=True, local_world_size=local_ranks) == 3
+
+
+@pytest.mark.parametrize(("files", "expected"), [
+    ({"cpu.max": "200000 100000\n"}, 2),  # cgroup v2: a pod's cpu: 2
+    ({"cpu.max": "150000 100000\n"}, 2),  # 1.5 cores: rounded up
+    ({"cpu.max": "max 100000\n"}, 64),  # no limit
+    ({"cpu/cpu.cfs_quota_us": "400000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 4),  # cgroup v1
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, 64),  # v1, no limit
+    ({}, 64),  # no cgroup files at all
+])
+def test_usable_cores_are_the_affinitys_at_most_the_containers_cpu_limit(tmp_path, monkeypatch, files, expected):
+    """A 2-CPU pod on a 64-core node sizes its threads and workers by 2 (the review of the GPU run's change)."""
+    from trainer.cores import usable_cores
+
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)))
+    assert usable_cores(tmp_path) == expected
