@@ -14,9 +14,9 @@ from pathlib import Path
 from devtools.processes import REPO_ROOT, TORCHRUN, clean_env, free_port, kill_marked, kill_tree
 from trainer.launchers import ELASTIC_AGENT_ENV
 
-# The round closes 3 s after the smallest size is there (30 s by default); a lost agent is dropped after 3 missed
+# The round closes 1 s after the smallest size is there (30 s by default); a lost agent is dropped after 3 missed
 # keep-alives 1 s apart (5 s apart by default: 15 s).
-FAST_RENDEZVOUS = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3"
+FAST_RENDEZVOUS = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Figure 13: the cost of a membership change inside one running torchrun job (docs/elastic.md).
 
 Two elastic agents on this machine (``--nnodes=1:2``, one rank each, the c10d rendezvous of devtools/elastic.py:
-``last_call_timeout=3``, keep-alives 1 s apart) train the built-in task on synthetic data with a checkpoint every
+``last_call_timeout=1``, keep-alives 1 s apart) train the built-in task on synthetic data with a checkpoint every
 5 steps and a metrics record every step. One agent is lost (its process tree killed): the time from the kill to
 the first step completed after it, split into detection (the survivor's worker fails: the agent's log),
 rendezvous (the agent's "Rendezvous complete"), and the restart up to the first step (process start, checkpoint
