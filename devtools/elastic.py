@@ -46,9 +46,12 @@ class ElasticJob:
 
     def stop(self) -> None:
         """Every process of the job, whatever state it is in (also workers whose agent is gone)."""
-        kill_marked(self.mark)
         for agent in self.agents:
-            agent.process.wait()
+            agent.process.kill()
+        for _ in range(3):  # again: a process may have started during a pass
+            kill_marked(self.mark)
+        for agent in self.agents:
+            agent.process.wait(timeout=30)
 
     def logs(self) -> str:
         return "\n".join(f"--- {agent.log.name}\n{agent.text()[-3000:]}" for agent in self.agents)

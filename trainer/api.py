@@ -206,7 +206,9 @@ def train(config: Config, task: RunTask, runtime: Runtime) -> dict[str, object]:
                                                tracking)
             ending = FINISHED
         except Preempted:
-            ending = STOPPED
+            # This rank's own signal (a membership change, or the launcher's end); stopped by another rank's, it
+            # exits as its launcher counts a failure (CheckpointManager.release_lease).
+            ending = STOPPED if watcher.signal_received is not None else FAILED
             raise
         except RuntimeError as error:
             if runtime.liveness is None or not TIMED_OUT.search(str(error)):

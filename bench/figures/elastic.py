@@ -116,6 +116,9 @@ def _recovery(agent: Agent, job: ElasticJob, out: Path, since: float, world: int
     first_step = min(record["time"] for record in _train(out) if record["time"] > rendezvous)
     resumed_step = _resumes(job, world)[-1]
     trained = max((record["step"] for record in _train(out) if record["time"] < rendezvous), default=before)
+    if max(before, trained) < resumed_step:
+        raise BenchError(f"resumed from step {resumed_step}, beyond the last step trained ({max(before, trained)}): "
+                         f"the logs were misread")
     return {"total_s": first_step - since, "detection_s": stopped - since, "rendezvous_s": rendezvous - stopped,
             "restart_s": first_step - rendezvous, "lost_steps": max(before, trained) - resumed_step}
 

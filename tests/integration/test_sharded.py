@@ -499,11 +499,12 @@ def test_a_sharded_save_whose_reports_never_reach_rank_0_fails_on_every_rank_and
             "--checkpoint-every", "3"]
     result = torchrun(args, nproc=2, module="tests.workers.broken_gather")
     # torchrun's summary of its ranks: the first to exit 2, the other 2 as well, or SIGTERM (-15) when torchrun
-    # stopped it first (its error line below is printed either way; seen under load, 2026-11-25).
+    # stopped it first (seen under load, 2026-11-25), which may come before that rank printed its line.
     exits = re.findall(r"^\s*exitcode\s*: (-?\d+)", result.stderr, re.MULTILINE)
     assert "2" in exits and sorted(exits) in (["2", "2"], ["-15", "2"]), result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if "] error:" in line]
-    assert len(lines) == 2 and all("checkpoint" in line and "step-00000003" in line and "did not reach rank 0"
-                                   in line for line in lines), lines
+    assert len(lines) == 2 if exits == ["2", "2"] else 1 <= len(lines) <= 2, lines
+    assert all("checkpoint" in line and "step-00000003" in line and "did not reach rank 0" in line
+               for line in lines), lines
     assert "step-00000003 written" not in result.stderr
     assert not list((tmp_path / "checkpoints").glob("*step-*")), list((tmp_path / "checkpoints").iterdir())

@@ -265,3 +265,21 @@ def test_renewals_go_on_after_a_storage_error_that_is_not_an_oserror(tmp_path, m
         assert renewed.wait(30), f"renewals stopped after {len(calls)} attempt(s)"
     finally:
         holder.release()
+
+
+def test_a_kept_lease_is_the_same_jobs_at_once_and_anothers_once_expired_without_a_watch(location, caplog):
+    """Kept by a stopped run for its next attempt (CheckpointManager.release_lease): nobody renews it any more."""
+    clock = Clock()
+    first = lease_for(location, "job-a", clock)
+    first.take()
+    first.keep()
+    with pytest.raises(CheckpointError, match=r"is kept by job job-a \(on host-job-a\) for its next attempt"):
+        lease_for(location, "job-b", clock).take()
+    with caplog.at_level(logging.INFO, logger="lease-test"):
+        again = lease_for(location, "job-a", clock)
+        again.take()  # the next attempt
+    assert "took the lease of checkpoint folder" in caplog.text and "took over" not in caplog.text
+    again.keep()
+    clock.now += 61  # no next attempt came: expired
+    lease_for(location, "job-b", clock).take()
+    assert clock.slept == 0, "a kept lease has no holder left to renew it: nothing to watch"

@@ -477,7 +477,7 @@ def test_a_run_stopped_before_its_end_keeps_the_lease_for_the_next_attempt_when_
         try:
             manager(job, None).close(FAILED)
         except CheckpointError as error:
-            assert "is in use by another job (elastic" in str(error)
+            assert "is kept by job elastic (on " in str(error) and "for its next attempt" in str(error), str(error)
             return True
         return False
 

@@ -54,6 +54,9 @@ class Holder:
     renewed_unix: float
     expires_after_s: float
     released: bool = False
+    # Kept for the job's next attempt by a run that stopped (CheckpointManager.release_lease): no longer renewed,
+    # by anyone, so once expired it is free without watching it first.
+    kept: bool = False
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self), indent=2).encode()
@@ -64,7 +67,7 @@ class Holder:
         try:
             raw = json.loads(data)
             return cls(str(raw["job"]), str(raw["host"]), int(raw["pid"]), float(raw["renewed_unix"]),
-                       float(raw["expires_after_s"]), bool(raw.get("released", False)))
+                       float(raw["expires_after_s"]), bool(raw.get("released", False)), bool(raw.get("kept", False)))
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -115,8 +118,8 @@ class CheckpointLease:
                         continue
             if self.storage.create_exclusive(LEASE_FOLDER, holder_file(newest + 1), self._record().to_bytes()):
                 self.generation = newest + 1
-                if current is not None and current.job == self.job and not current.released:
-                    # Kept for this attempt (CheckpointManager.release_lease), or left by one that was killed.
+                if current is not None and current.job == self.job and current.kept:
+                    # Kept for this attempt by the one before (CheckpointManager.release_lease): the usual way.
                     self.log.info("took the lease of checkpoint folder %s from %s", self.storage.describe(), why)
                 elif current is not None and why != "released":
                     self.log.warning("took over the lease of checkpoint folder %s from %s", self.storage.describe(),
@@ -144,8 +147,9 @@ class CheckpointLease:
         return None
 
     def _looks_expired(self, current: Holder, take_over: bool) -> bool:
-        """Free only by its holder's timestamps (which the watch must confirm)."""
-        return (not (current.released or take_over or current.job == self.job)
+        """Free only by its holder's timestamps (which the watch must confirm; a kept lease has no holder left to
+        renew it, so its timestamps are the whole story)."""
+        return (not (current.released or current.kept or take_over or current.job == self.job)
                 and self.clock() - current.renewed_unix > current.expires_after_s)
 
     def _unchanged_while_watched(self, generation: int) -> bool:
@@ -177,6 +181,12 @@ class CheckpointLease:
                    "; if it is an earlier attempt of this very job, name the job with --job-id (or DDP_JOB_ID), the "
                    "same for every attempt: no launcher names this one, so its restarts cannot be told from "
                    "another job")
+        if current.kept:
+            return (f"checkpoint folder {self.storage.describe()} is kept by job {current.job} (on {current.host}) "
+                    f"for its next attempt: it stopped {age:.0f}s ago under a launcher that restarts its workers "
+                    f"(torchrun --max-restarts), as it does when an elastic job's membership changes. If that job "
+                    f"is over, the lease is free in {left:.0f}s, or pass --take-over-checkpoint-dir now; or give "
+                    f"this one another --checkpoint-dir")
         return (f"checkpoint folder {self.storage.describe()} is in use by another job ({current.job}, rank 0 pid "
                 f"{current.pid} on {current.host}, {renewed}): two jobs in one folder delete each "
                 f"other's checkpoints. Wait for that job to finish, or give this one another --checkpoint-dir; if "
@@ -221,12 +231,24 @@ class CheckpointLease:
                 self.log.warning("could not renew the lease of %s: %s", self.storage.describe(), error)
 
     def stop_renewing(self) -> None:
-        """Stop renewing and leave the lease as it is: held until it expires, except for this job's next attempt,
-        which takes it at once (a launcher that restarts the workers in place)."""
         self._stop.set()
         if self._renewer is not None:
             # A renewal stuck in a hung storage call would hold this forever: what follows goes on regardless.
             self._renewer.join(timeout=RENEWER_JOIN_S)
+
+    def keep(self) -> None:
+        """Stop renewing and mark the lease kept: held until it expires (expires_after_s from now), except for this
+        job's next attempt, which takes it at once (a launcher that restarts the workers in place)."""
+        self.stop_renewing()
+        if self.generation is None:
+            return
+        try:
+            self.check()
+            self.storage.replace_file(LEASE_FOLDER, holder_file(self.generation), self._record(kept=True).to_bytes())
+        except Exception as problem:  # noqa: BLE001 - any backend's error: the lease then expires by itself
+            self.log.warning("lease of %s not marked kept (%s); it expires %gs after its last renewal",
+                             self.storage.describe(), problem, self.expires_after_s)
+        self.generation = None
 
     def release(self) -> None:
         """Mark the lease free, so that the next job starts at once (a run that resumes this one's work)."""
@@ -243,8 +265,8 @@ class CheckpointLease:
         self.generation = None
 
     # -- files ---------------------------------------------------------------------------------------------
-    def _record(self, released: bool = False) -> Holder:
-        return Holder(self.job, self.host, os.getpid(), self.clock(), self.expires_after_s, released)
+    def _record(self, released: bool = False, kept: bool = False) -> Holder:
+        return Holder(self.job, self.host, os.getpid(), self.clock(), self.expires_after_s, released, kept)
 
     def _generations(self) -> list[int]:
         found = (HOLDER_FILE.match(name) for name in self.storage.files(LEASE_FOLDER))

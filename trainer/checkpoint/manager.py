@@ -333,16 +333,17 @@ class CheckpointManager:
         """End this job's hold on the folder now, without waiting for a save in progress (an exit without one).
         Released, so that the next job starts at once; but where the launcher starts this job's workers again
         itself (``restarts_left``), a run that stops before its end keeps it for the next attempt, so that no other
-        job takes the folder in between: stopped by a signal (a membership change of an elastic job looks the same
-        as the launcher's own end) or failed with restarts left. Kept, it is no longer renewed: another job may
-        take it once it expires (--lease-expiry-s after its last renewal)."""
+        job takes the folder in between: stopped by a signal this rank received (a membership change of an elastic
+        job looks the same as the launcher's own end), or failed (stopped by another rank's signal included: its
+        launcher counts that exit as a failure) with restarts left. Kept, it is marked so and no longer renewed:
+        another job may take it once it expires (--lease-expiry-s from now), and is told why it waits."""
         if self.lease is None:
             return
         left = self.runtime.identity.restarts_left
         if left is not None and (ending == STOPPED or (ending == FAILED and left > 0)):
-            self.lease.stop_renewing()
+            self.lease.keep()
             self.log.info("keeping the lease of checkpoint folder %s for this job's next attempt, should %s start "
-                          "one (%s); any other job may take it once it expires, %gs after its last renewal",
+                          "one (%s); any other job may take it once it expires, in %gs",
                           self.storage.describe(), self.runtime.identity.launcher,
                           "stopped by a signal" if ending == STOPPED else f"{left} restart(s) left",
                           self.config.lease_expiry_s)

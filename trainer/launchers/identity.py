@@ -30,9 +30,11 @@ class DistIdentity:
     # The launcher may show each process only its own GPU, as device 0 (srun --gpus-per-task=1).
     may_hide_other_gpus: bool = False
     # How many more times the launcher itself starts this job's workers again after a failure (torchrun's
-    # --max-restarts less TORCHELASTIC_RESTART_COUNT); None where it never does. Such a launcher also restarts
-    # them, without counting, when the membership of an elastic job changes. A stop before the end then keeps the
-    # checkpoint folder's lease for the next attempt (CheckpointManager.release_lease).
+    # --max-restarts less TORCHELASTIC_RESTART_COUNT); None where it never does, or where torchrun was given no
+    # --max-restarts. torchrun also restarts them, without counting, when an elastic job's membership changes,
+    # even with --max-restarts 0; but a worker cannot tell an elastic job from another, so there the lease is
+    # released as for any job (docs/elastic.md asks elastic jobs for --max-restarts above 0). A stop before the
+    # end keeps the checkpoint folder's lease for the next attempt (CheckpointManager.release_lease).
     restarts_left: int | None = None
 
     @property
