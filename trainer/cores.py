@@ -16,8 +16,9 @@ CGROUP = Path("/sys/fs/cgroup")
 
 
 def usable_cores(cgroup: Path | None = None) -> int:
-    """The affinity's cores, at most the CPU limit of this process's cgroup (v2 ``cpu.max``, v1 CFS quota;
-    ``cgroup``: where they are, /sys/fs/cgroup by default)."""
+    """The affinity's cores, at most the CPU limit of the cgroup mounted at /sys/fs/cgroup (``cgroup``): v2's
+    ``cpu.max``, v1's CFS quota. Inside a container that is the container's own; a process in a nested cgroup of
+    a host (a systemd slice with CPUQuota) is not limited here, only by its affinity."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     limit = _cgroup_limit(cgroup or CGROUP)
     return max(1, min(cores, limit)) if limit is not None else max(1, cores)
