@@ -230,38 +230,30 @@ class CheckpointLease:
             except Exception as error:  # noqa: BLE001
                 self.log.warning("could not renew the lease of %s: %s", self.storage.describe(), error)
 
-    def stop_renewing(self) -> None:
-        self._stop.set()
-        if self._renewer is not None:
-            # A renewal stuck in a hung storage call would hold this forever: what follows goes on regardless.
-            self._renewer.join(timeout=RENEWER_JOIN_S)
-
     def keep(self) -> None:
         """Stop renewing and mark the lease kept: held until it expires (expires_after_s from now), except for this
         job's next attempt, which takes it at once (a launcher that restarts the workers in place)."""
-        self.stop_renewing()
-        if self.generation is None:
-            return
-        try:
-            self.check()
-            self.storage.replace_file(LEASE_FOLDER, holder_file(self.generation), self._record(kept=True).to_bytes())
-        except Exception as problem:  # noqa: BLE001 - any backend's error: the lease then expires by itself
-            self.log.warning("lease of %s not marked kept (%s); it expires %gs after its last renewal",
-                             self.storage.describe(), problem, self.expires_after_s)
-        self.generation = None
+        self._end(self._record(kept=True), "marked kept")
 
     def release(self) -> None:
         """Mark the lease free, so that the next job starts at once (a run that resumes this one's work)."""
-        self.stop_renewing()
+        self._end(self._record(released=True), "released")
+
+    def _end(self, last: Holder, done: str) -> None:
+        """Stop renewing, then write this holder's last record (kept or released), unless the lease was lost."""
+        self._stop.set()
+        if self._renewer is not None:
+            # A renewal stuck in a hung storage call would hold this forever: the last record is tried regardless
+            # (it may hang just the same: callers bound it, CheckpointManager.release_lease_within).
+            self._renewer.join(timeout=RENEWER_JOIN_S)
         if self.generation is None:
             return
         try:
             self.check()
-            self.storage.replace_file(LEASE_FOLDER, holder_file(self.generation),
-                                      self._record(released=True).to_bytes())
+            self.storage.replace_file(LEASE_FOLDER, holder_file(self.generation), last.to_bytes())
         except Exception as problem:  # noqa: BLE001 - any backend's error: the lease then expires by itself
-            self.log.warning("lease of %s not released (%s); it expires %gs after its last renewal",
-                             self.storage.describe(), problem, self.expires_after_s)
+            self.log.warning("lease of %s not %s (%s); it expires %gs after its last renewal",
+                             self.storage.describe(), done, problem, self.expires_after_s)
         self.generation = None
 
     # -- files ---------------------------------------------------------------------------------------------
