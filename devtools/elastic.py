@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import re
 import subprocess
+import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -55,6 +56,14 @@ class ElasticJob:
 
     def logs(self) -> str:
         return "\n".join(f"--- {agent.log.name}\n{agent.text()[-3000:]}" for agent in self.agents)
+
+    def wait_for(self, condition: Callable[[], bool], what: str, timeout_s: float = 180) -> None:
+        """Until ``condition()`` holds; TimeoutError naming ``what``, with the end of every agent's log."""
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {timeout_s:.0f} s for {what}; the agents said:\n{self.logs()}")
+            time.sleep(0.2)
 
 
 class Agent:

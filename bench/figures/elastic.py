@@ -44,26 +44,28 @@ def run(ctx: Context) -> FigureResult:
     join = [r["join"] for r in rounds]
     leave = [r["leave"] for r in rounds]
     cold = [r["cold_start_s"] for r in rounds]
+
+    def over_cold(cases: list[dict[str, Any]]) -> list[float]:
+        return [case["total_s"] / c for case, c in zip(cases, cold, strict=True)]
+
     total = [case["total_s"] for case in loss]
     parts = {name: median([case[name] for case in loss]) for name in ("detection_s", "rendezvous_s", "restart_s")}
     rows = [
         Row("node lost: kill to the first step after it / a cold start (launch to first step)",
-            median([t / c for t, c in zip(total, cold, strict=True)]), RECOVERY_GOAL,
-            spread=(min(t / c for t, c in zip(total, cold, strict=True)),
-                    max(t / c for t, c in zip(total, cold, strict=True))),
+            median(over_cold(loss)), RECOVERY_GOAL, spread=(min(over_cold(loss)), max(over_cold(loss))),
             notes=f"{median(total):.1f} s: detection {parts['detection_s']:.1f} s, rendezvous "
                   f"{parts['rendezvous_s']:.1f} s, restart to the first step {parts['restart_s']:.1f} s; cold "
                   f"start {median(cold):.1f} s; median of {len(rounds)} round(s)"),
         Row("node lost: steps lost (trained, not in the checkpoint resumed), --checkpoint-every 5",
             median([case["lost_steps"] for case in loss]), notes=f"per round: {[c['lost_steps'] for c in loss]}"),
         Row("node joined: its start to the first step at 2 ranks / a cold start",
-            median([case["total_s"] / c for case, c in zip(join, cold, strict=True)]), RECOVERY_GOAL,
+            median(over_cold(join)), RECOVERY_GOAL,
             notes=f"{median([case['total_s'] for case in join]):.1f} s (the running workers stop, save, and start "
                   f"again)"),
         Row("node joined: steps lost", median([case["lost_steps"] for case in join]), Goal("<=", 0.0),
             notes=f"per round: {[c['lost_steps'] for c in join]}"),
         Row("node left gracefully (its agent got SIGTERM): to the first step after it / a cold start",
-            median([case["total_s"] / c for case, c in zip(leave, cold, strict=True)]), RECOVERY_GOAL,
+            median(over_cold(leave)), RECOVERY_GOAL,
             notes=f"{median([case['total_s'] for case in leave]):.1f} s: every rank stops at one step and saves "
                   f"{median([case['detection_s'] for case in leave]):.1f} s, rendezvous "
                   f"{median([case['rendezvous_s'] for case in leave]):.1f} s, restart "
@@ -84,7 +86,7 @@ def _round(work: Path) -> dict[str, Any]:
         first = job.start("first")  # serves the rendezvous: it stays
         time.sleep(1)
         lost = job.start("lost")
-        _wait(lambda: _last_step(out) >= 12, "two ranks to train 12 steps", job)
+        job.wait_for(lambda: _last_step(out) >= 12, "two ranks to train 12 steps", TIMEOUT_S)
         killed = time.time()
         lost.lose()
         loss = _recovery(first, job, out, since=killed, world=1, event="failed \\(exitcode")
@@ -109,13 +111,16 @@ def _recovery(agent: Agent, job: ElasticJob, out: Path, since: float, world: int
     ``world`` ranks: the agent's ``event`` (the worker's failure, or its stop), the next rendezvous, the step."""
     before = max((record["step"] for record in _train(out) if record["time"] < since), default=0)
     known = len(_resumes(job, world))
-    _wait(lambda: len(_resumes(job, world)) > known, f"the workers to resume at {world} rank(s)", job)
-    _wait(lambda: any(record["time"] > _complete(agent, since) for record in _train(out)), "a step after it", job)
+    job.wait_for(lambda: len(_resumes(job, world)) > known, f"the workers to resume at {world} rank(s)",
+                 TIMEOUT_S)
+    job.wait_for(lambda: any(record["time"] > _complete(agent, since) for record in _train(out)),
+                 "a step after it", TIMEOUT_S)
     stopped = min(t for t in agent.events(event) if t > since - 1)
     rendezvous = _complete(agent, since)
-    first_step = min(record["time"] for record in _train(out) if record["time"] > rendezvous)
+    records = _train(out)
+    first_step = min(record["time"] for record in records if record["time"] > rendezvous)
     resumed_step = _resumes(job, world)[-1]
-    trained = max((record["step"] for record in _train(out) if record["time"] < rendezvous), default=before)
+    trained = max((record["step"] for record in records if record["time"] < rendezvous), default=before)
     if max(before, trained) < resumed_step:
         raise BenchError(f"resumed from step {resumed_step}, beyond the last step trained ({max(before, trained)}): "
                          f"the logs were misread")
@@ -142,11 +147,3 @@ def _train(out: Path) -> list[dict[str, Any]]:
 
 def _last_step(out: Path) -> int:
     return max((record["step"] for record in _train(out)), default=0)
-
-
-def _wait(condition: Any, what: str, job: ElasticJob) -> None:
-    deadline = time.monotonic() + TIMEOUT_S
-    while not condition():
-        if time.monotonic() > deadline:
-            raise BenchError(f"waited {TIMEOUT_S} s for {what}; the agents said:\n{job.logs()}")
-        time.sleep(0.2)

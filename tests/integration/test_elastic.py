@@ -7,9 +7,7 @@ relaunch, and the ledger task counts every sample of the epoch trained exactly o
 from __future__ import annotations
 
 import re
-import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,14 +24,6 @@ SAMPLES, BATCH = 192, 4
 PACED = [*[arg if arg != "tests.support.tasks:LedgerTask" else "tests.support.tasks:PacedLedgerTask"
            for arg in LEDGER if arg != "--sample-log"], "--train-size", str(SAMPLES), "--step-delay-s", "0.4",
          "--checkpoint-every", "2"]
-
-
-def wait_for(condition: Callable[[], bool], what: str, job: ElasticJob, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"waited {timeout_s:.0f} s for {what}; the agents said:\n{job.logs()}")
-        time.sleep(0.3)
 
 
 def checkpoint_steps(run: Path) -> list[int]:
@@ -73,19 +63,16 @@ def test_a_node_lost_mid_epoch_and_one_added_later_the_job_goes_on_by_itself_tra
     time.sleep(1)
     lost = job.start("lost")
     try:
-        wait_for(lambda: any(step >= 4 for step in checkpoint_steps(run)), "two ranks to checkpoint step 4", job)
+        job.wait_for(lambda: any(step >= 4 for step in checkpoint_steps(run)), "two ranks to checkpoint step 4")
         lost.lose()
-        wait_for(lambda: "[rank 0/1] INFO resumed from" in first.text(), "the survivor to resume alone", job)
+        job.wait_for(lambda: "[rank 0/1] INFO resumed from" in first.text(), "the survivor to resume alone")
         joined = job.start("joined")
         # Meanwhile, an unrelated job on the same checkpoint folder is still refused.
         other = torchrun([*PACED, "--sync", sync, "--output-dir", str(run)], nproc=1, timeout_s=120)
         held = re.search(r"is (in use by another job \(|kept by job )torchrun-elastic-test", other.stderr)
         assert other.returncode != 0 and held, other.stderr[-3000:]
         for agent in (first, joined):
-            try:
-                agent.process.wait(timeout=240)
-            except subprocess.TimeoutExpired:
-                wait_for(lambda: False, "the job to end", job, timeout_s=0)
+            job.wait_for(lambda agent=agent: agent.process.poll() is not None, "the job to end", timeout_s=240)
             assert agent.process.returncode == 0, agent.text()[-3000:]
     finally:
         job.stop()
