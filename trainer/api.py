@@ -73,13 +73,16 @@ CHECKPOINT_LOOKUP_S = 10.0
 
 # What gloo and NCCL say when a peer process is gone; such an error is the other rank's story, not this one's.
 PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|Connection refused|"
-                       r"NCCL communicator was aborted|Timed out waiting|timed out|DistNetworkError", re.IGNORECASE)
+                       r"NCCL communicator was aborted|Timed out waiting|timed out|timeout caused pair closure|"
+                       r"DistNetworkError", re.IGNORECASE)
 
 
 # gloo's ("Timed out waiting 2000ms for recv operation"), NCCL's watchdog's and the store's words for an
 # operation between ranks that ran past its timeout (a peer that is gone says otherwise: connection closed).
-TIMED_OUT = re.compile(r"Timed out waiting|Watchdog caught collective operation timeout|wait timeout|Socket Timeout",
-                       re.IGNORECASE)
+# When one gloo operation times out, gloo closes every pair of the context and the operations still waiting
+# on them (a DDP buffer broadcast, say) fail with "Application timeout caused pair closure": a timeout too.
+TIMED_OUT = re.compile(r"Timed out waiting|Watchdog caught collective operation timeout|wait timeout|Socket Timeout|"
+                       r"timeout caused pair closure", re.IGNORECASE)
 
 
 def run(task: str | type | None = None, argv: Sequence[str] | None = None, **settings: Any) -> int:
