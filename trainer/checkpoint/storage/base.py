@@ -3,8 +3,9 @@ crash never leaves one that looks complete, and what every backend provides.
 
 A checkpoint is a folder ``step-00000123`` holding ``state.pt`` and ``manifest.json``. It is
 written under a temporary name, every file streamed through a checksum and fsynced, the manifest
-(with sizes and checksums) last, then renamed into place. Readers ignore temporaries and anything
-without a valid manifest.
+(with sizes and checksums) last, then renamed into place. On an object store, which has no rename, it is
+written in place and the manifest, written last, commits it (fsspec_backend). Readers ignore temporaries and
+anything without a valid manifest.
 """
 
 from __future__ import annotations
@@ -107,18 +108,21 @@ class CheckpointStorage(ABC):
             described = dict(written)
             for filename, write_content in files.items():
                 described[filename] = self.write_file(temporary, filename, write_content)
+            # Made before its file is opened: an object store's file uploads what it holds when closed, even
+            # by an error, and an empty manifest in a folder written in place is a commit (fsspec_backend).
+            manifest = make_manifest(described)
             with self._create(temporary, MANIFEST) as handle:
-                handle.write(make_manifest(described))
+                handle.write(manifest)
             self._commit(temporary, name)
         except OSError as error:
-            self._remove_quietly(temporary)
+            self.abandon(temporary)
             raise self._failure(name, error) from None
         except Exception:  # a backend's own error, or the manager refusing to commit: no folder stays behind
-            self._remove_quietly(temporary)
+            self.abandon(temporary)
             raise
 
     def abandon(self, temporary: str) -> None:
-        """Remove a temporary folder whose save failed."""
+        """Remove the folder of a save that failed (``begin``'s)."""
         self._remove_quietly(temporary)
 
     def _failure(self, name: str, error: OSError) -> CheckpointError:
