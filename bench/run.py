@@ -28,6 +28,7 @@ from bench.figures import (
     image_folder,
     input_pipeline,
     launch_latency,
+    object_store,
     overhead,
     peers,
     scaling,
@@ -60,6 +61,7 @@ FIGURES: dict[str, tuple[str, Callable[[Context], FigureResult]]] = {
     "sharded": (sharded.TITLE, sharded.run),
     "sharded-checkpoints": (sharded_checkpoints.TITLE, sharded_checkpoints.run),
     "elastic": (elastic.TITLE, elastic.run),
+    "object-store": (object_store.TITLE, object_store.run),
 }
 
 

@@ -220,14 +220,22 @@ def test_on_an_object_store_a_checkpoint_being_replaced_survives_a_crash_at_any_
 def test_on_an_object_store_a_save_is_written_in_place_and_one_that_never_committed_is_skipped_then_removed(
         manager_for, caplog):
     """No temporary folder moved in (a copy of every object on S3): the manifest, written last, commits a save in
-    its final place. A save that crashed before its manifest is no checkpoint: skipped by a resume, replaced by the
-    next save of its step, pruned once older; and a save's clean-up removes its own folder only."""
+    its final place. A save that crashed before its manifest is no checkpoint: removed by the next start, skipped
+    by a resume, replaced by the next save of its step, pruned once older; and a save's clean-up removes its own
+    folder only."""
     location = f"memory://ckpt-{uuid.uuid4().hex}"
     save_steps(manager_for(location, keep_last=2), [1])
-    crashed = open_storage(location)
-    assert crashed.begin("step-00000002") == "step-00000002"  # in place
-    crashed.write_file("step-00000002", "state.pt", lambda handle: handle.write(b"half a state"))
+
+    def crash_in_a_save() -> None:
+        crashed = open_storage(location)
+        assert crashed.begin("step-00000002") == "step-00000002"  # in place
+        crashed.write_file("step-00000002", "state.pt", lambda handle: handle.write(b"half a state"))
+
+    crash_in_a_save()
     manager = manager_for(location, keep_last=2)
+    assert names(location) == ["step-00000001"]
+    assert f"removed {location}/step-00000002, left by a save that did not finish" in caplog.text
+    crash_in_a_save()
     loaded = manager.load("latest")
     assert loaded is not None and loaded.location.endswith("step-00000001")
     assert "skipping checkpoint memory://" in caplog.text and "no manifest (the save did not finish)" in caplog.text

@@ -97,6 +97,19 @@ class FsspecStorage(CheckpointStorage):
             return False
         return True
 
+    def remove_temporaries(self) -> list[str]:
+        """Also the folders of saves written in place that never committed (a process killed in its save): with
+        the folder's lease held they are this job's or stale. After the base's clean-up, which may first make a
+        replaced checkpoint whole again in its folder (``_put_back``). A store that does not say whether a
+        manifest is there leaves its folder for pruning."""
+        removed = super().remove_temporaries()
+        for name in self.list_checkpoints():
+            with contextlib.suppress(OSError):
+                if not self._committed(name):
+                    self.remove(name)
+                    removed.append(name)
+        return removed
+
     def abandon(self, temporary: str) -> None:
         """A save written in place is removed only while it is still this save's (its mark, written at ``begin``)
         and uncommitted: a job that took the folder over since (this one stalled past its lease) may have removed

@@ -1,0 +1,96 @@
+"""Figure 14: a checkpoint saved to an S3-compatible store (moto's server on loopback, reached through s3fs as AWS
+or MinIO would be), against uploading the same bytes, measured in one run, interleaved, median of N rounds.
+
+The checkpoint is files of equal size (one per rank, as a sharded save writes) plus its manifest:
+  upload    each file put as one object, nothing else (what any save must pay);
+  in place  FsspecStorage.write: the files written in the step's own folder through their checksums, the
+            manifest last, which commits it (today's save);
+  moved     the same files written in a temporary folder and then moved into place, the manifest last (how a
+            save was committed before, and still is where a checkpoint of the same step is replaced): a move on
+            S3 is a server-side copy of every object and a delete.
+A loopback server copies in memory: against a real store, whose copies run at its internal bandwidth and are
+billed as requests, a move costs more than here.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+import uuid
+from collections.abc import Callable
+from typing import IO, Any
+
+from bench.harness.context import Context
+from bench.harness.measure import load_average
+from bench.harness.results import FigureResult, Goal, Row
+from devtools.s3_server import s3_server
+from trainer.checkpoint.storage import CheckpointStorage
+from trainer.checkpoint.storage.fsspec_backend import FsspecStorage
+
+TITLE = "Checkpoints on an object store"
+
+
+class _MovedIn(FsspecStorage):
+    """The save through a temporary folder, moved in at the commit (the storage's generic begin)."""
+
+    def begin(self, name: str) -> str:
+        return CheckpointStorage.begin(self, name)
+
+
+def _writer(data: bytes) -> Callable[[IO[bytes]], None]:
+    return lambda handle: handle.write(data)
+
+
+def _manifest(files: dict[str, dict[str, Any]]) -> bytes:
+    return repr(sorted(files)).encode()
+
+
+def _timed(action: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    action()
+    return time.perf_counter() - started
+
+
+def run(ctx: Context) -> FigureResult:
+    load_before = load_average()
+    file_count, file_bytes, rounds = ctx.pick(8, 2), ctx.pick(32 << 20, 1 << 20), ctx.pick(5, 2)
+    files = {f"__{rank}_0.distcp": os.urandom(file_bytes) for rank in range(file_count)}
+    times: dict[str, list[float]] = {"upload": [], "in_place": [], "moved": []}
+    with s3_server() as server:
+        bucket = server.new_bucket()
+        previous = {name: os.environ.get(name) for name in server.env}
+        os.environ.update(server.env)  # s3fs (botocore) reads the endpoint and the credentials from here
+        try:
+            location = f"s3://{bucket}/ckpt"
+            in_place, moved = FsspecStorage(location), _MovedIn(location)
+            for step in range(1, rounds + 1):
+                prefix = f"{in_place.root}/upload-{uuid.uuid4().hex[:8]}"
+                times["upload"].append(_timed(lambda: [in_place.fs.pipe_file(f"{prefix}/{name}", data)
+                                                       for name, data in files.items()]))
+                writers = {name: _writer(data) for name, data in files.items()}
+                times["in_place"].append(_timed(lambda: in_place.write(f"step-{2 * step:08d}", writers, _manifest)))
+                times["moved"].append(_timed(lambda: moved.write(f"step-{2 * step + 1:08d}", writers, _manifest)))
+        finally:
+            for name, value in previous.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+    ratio = {way: [spent / upload for spent, upload in zip(times[way], times["upload"], strict=True)]
+             for way in ("in_place", "moved")}
+    median = {way: statistics.median(values) for way, values in times.items()}
+    total_mb = file_count * file_bytes / 1e6
+    rows = [
+        Row(f"save in place / upload of the same bytes ({file_count} files, {total_mb:.0f} MB)",
+            statistics.median(ratio["in_place"]), Goal("<=", 1.15),
+            notes=f"in place {median['in_place']:.2f} s, upload {median['upload']:.2f} s, median of {rounds}",
+            spread=(min(ratio["in_place"]), max(ratio["in_place"]))),
+        Row(f"save moved into place / upload of the same bytes ({file_count} files, {total_mb:.0f} MB)",
+            statistics.median(ratio["moved"]),
+            notes=f"moved {median['moved']:.2f} s: the commit before this figure's change, and a replacement's",
+            spread=(min(ratio["moved"]), max(ratio["moved"]))),
+    ]
+    details = {"seconds": times, "files": file_count, "bytes_per_file": file_bytes,
+               "load_average": [load_before, load_average()]}
+    return FigureResult(14, "object-store", TITLE, rows, details)
