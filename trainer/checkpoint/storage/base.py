@@ -3,9 +3,8 @@ crash never leaves one that looks complete, and what every backend provides.
 
 A checkpoint is a folder ``step-00000123`` holding ``state.pt`` and ``manifest.json``. It is
 written under a temporary name, every file streamed through a checksum and fsynced, the manifest
-(with sizes and checksums) last, then renamed into place. On an object store, which has no rename, it is
-written in place and the manifest, written last, commits it (fsspec_backend). Readers ignore temporaries and
-anything without a valid manifest.
+(with sizes and checksums) last, then renamed into place. Readers ignore temporaries and anything
+without a valid manifest.
 """
 
 from __future__ import annotations
@@ -109,7 +108,7 @@ class CheckpointStorage(ABC):
             for filename, write_content in files.items():
                 described[filename] = self.write_file(temporary, filename, write_content)
             # Made before its file is opened: an object store's file uploads what it holds when closed, even
-            # by an error, and an empty manifest in a folder written in place is a commit (fsspec_backend).
+            # by an error (an empty manifest).
             manifest = make_manifest(described)
             with self._create(temporary, MANIFEST) as handle:
                 handle.write(manifest)

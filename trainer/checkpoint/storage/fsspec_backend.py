@@ -1,5 +1,4 @@
-"""Checkpoints at any fsspec URL (s3://, gs://, memory://): written in place, the manifest, written last, commits
-one (no copy of the checkpoint)."""
+"""Checkpoints at any fsspec URL (s3://, gs://, memory://): the manifest, written last, commits one."""
 
 from __future__ import annotations
 
@@ -17,9 +16,6 @@ from trainer.redact import redact
 # read in their source: before, s3fs wrote over an existing object. Other backends are tried (see
 # FsspecStorage._check_exclusive_create).
 EXCLUSIVE_CREATE_SINCE = {"s3fs": "2024.12.0"}
-# A save written in place (FsspecStorage.begin) marks its folder with a token of its own: what its clean-up may
-# remove is that save's, never a later one's of the same step.
-SAVE_MARK = ".save"
 
 
 class FsspecStorage(CheckpointStorage):
@@ -42,7 +38,6 @@ class FsspecStorage(CheckpointStorage):
                 f"package for its scheme (for example s3fs for s3://)"
             ) from None
         self.root = self.root.rstrip("/")
-        self._own_saves: dict[str, str] = {}  # a folder being written in place -> its save's mark (``begin``)
 
     def _path(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
@@ -63,68 +58,7 @@ class FsspecStorage(CheckpointStorage):
     def _create(self, name: str, filename: str) -> contextlib.AbstractContextManager[IO[bytes]]:
         return self.fs.open(self._path(name, filename), "wb")  # an upload is complete once closed
 
-    def begin(self, name: str) -> str:
-        """Where no checkpoint of this step is committed, the save is written in its final place and the manifest,
-        written last, commits it: a folder move on an object store is a copy of every object, one by one. A folder
-        of this step without a manifest is a save that never committed (this job holds the folder's lease): it is
-        removed first. Only a checkpoint of the same step being replaced goes through a temporary folder, moved in
-        (``_commit``), so that the old one stays whole until the new one is."""
-        try:
-            if not self._committed(name):
-                if self.has_folder(name):
-                    self.remove(name)
-                token = uuid.uuid4().hex
-                try:
-                    self._make_folder(name)  # file systems with folders (file://, local://) need it made
-                    self.fs.pipe_file(self._path(name, SAVE_MARK), token.encode())
-                except OSError:
-                    self._remove_quietly(name)  # the mark may have landed though its answer did not: no folder left
-                    raise
-                self._own_saves[name] = token
-                return name
-        except OSError as error:
-            raise self._failure(name, error) from None
-        return super().begin(name)
-
-    def _committed(self, name: str) -> bool:
-        """Whether the folder has its manifest, asked of the store itself (a listing cached in this process could
-        be older than another process's commit). Only a store that says the manifest is absent answers False:
-        any other error is raised, never taken for "not committed" (which would remove the folder)."""
-        self.fs.invalidate_cache(self._path(name))
-        try:
-            self.fs.info(self._path(name, MANIFEST))
-        except FileNotFoundError:
-            return False
-        return True
-
-    def remove_temporaries(self) -> list[str]:
-        """Also the folders of saves written in place that never committed (a process killed in its save): with
-        the folder's lease held they are this job's or stale. After the base's clean-up, which may first make a
-        replaced checkpoint whole again in its folder (``_put_back``). A store that does not say whether a
-        manifest is there leaves its folder for pruning."""
-        removed = super().remove_temporaries()
-        for name in self.list_checkpoints():
-            with contextlib.suppress(OSError):
-                if not self._committed(name):
-                    self.remove(name)
-                    removed.append(name)
-        return removed
-
-    def abandon(self, temporary: str) -> None:
-        """A save written in place is removed only while it is still this save's (its mark, written at ``begin``)
-        and uncommitted: a job that took the folder over since (this one stalled past its lease) may have removed
-        it and begun its own save of the same step, which must stay."""
-        token = self._own_saves.pop(temporary, None)
-        if token is None:
-            super().abandon(temporary)
-            return
-        with contextlib.suppress(OSError):
-            if self.fs.cat_file(self._path(temporary, SAVE_MARK)) == token.encode() and not self._committed(temporary):
-                self.remove(temporary)
-
     def _commit(self, temporary: str, name: str) -> None:
-        if self._own_saves.pop(temporary, None) is not None:
-            return  # written in place: the manifest, just written, was the commit
         if not self.fs.exists(self._path(name)):
             self._rename(temporary, name)
             return
