@@ -30,7 +30,7 @@ from tests.support.checkpoint_reading import (
     wait_for_checkpoint,
     whole,
 )
-from tests.support.older_formats import write_format_4
+from tests.support.older_formats import with_whole_item_checksums, write_format_4
 from tests.support.sample_logs import global_order
 from trainer.checkpoint import open_storage, verify
 from trainer.errors import EXIT_PREEMPTED
@@ -321,6 +321,13 @@ def test_a_damaged_shard_file_is_refused_in_one_line_and_export_puts_a_checkpoin
     assert exported.returncode == 0 and "wrote" in exported.stdout, exported.stderr
     weights = torch.load(tmp_path / "model.pt", weights_only=True)
     assert_same_tensors(weights, trained(uninterrupted)["model"])
+    # Its items.json as written before 2026-11-26 (one CRC-32 per item): each item read whole and unpickled.
+    before = tmp_path / "before" / folder.name
+    shutil.copytree(folder, before)
+    with_whole_item_checksums(before)
+    exported = run([sys.executable, "-m", "trainer.export", str(before), str(tmp_path / "before.pt")])
+    assert exported.returncode == 0, exported.stderr
+    assert_same_tensors(torch.load(tmp_path / "before.pt", weights_only=True), weights)
     damaged = tmp_path / "checkpoints" / folder.name
     damaged.parent.mkdir()
     shutil.copytree(folder, damaged)

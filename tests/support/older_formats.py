@@ -64,3 +64,20 @@ def write_format_4(source: Path, target: Path, ranks: int) -> None:
     manifest = {**{key: value for key, value in loaded.manifest.items() if key != "files"}, "format": 4,
                 "files": described}
     (target / "manifest.json").write_text(json.dumps(manifest, indent=2))
+
+
+def with_whole_item_checksums(folder: Path) -> None:
+    """A format 5 checkpoint folder's items.json rewritten as it was before 2026-11-26: one CRC-32 of each whole
+    item (each is read whole and unpickled), its manifest entry to match."""
+    items = json.loads((folder / "items.json").read_text())
+    old = {}
+    for filename, entries in items.items():
+        data = (folder / filename).read_bytes()
+        ends = sorted(int(offset) for offset in entries)[1:] + [len(data)]
+        old[filename] = {str(offset): crc32_hex(data[offset:end])
+                         for offset, end in zip(sorted(int(offset) for offset in entries), ends, strict=True)}
+    content = json.dumps(old, sort_keys=True).encode()
+    (folder / "items.json").write_bytes(content)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"]["items.json"] = {"bytes": len(content), "crc32": crc32_hex(content)}
+    (folder / "manifest.json").write_text(json.dumps(manifest, indent=2))

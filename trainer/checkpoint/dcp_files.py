@@ -62,6 +62,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.distributed.tensor import DTensor
 
+from trainer.checkpoint import dcp_items
 from trainer.checkpoint.reading import DCP_METADATA, InvalidCheckpoint, checked_read, is_plain_name, load_failure
 from trainer.checkpoint.shards import MARK, marker_for, replace_tensors
 from trainer.checkpoint.storage import CheckpointStorage, crc32_hex
@@ -154,7 +155,7 @@ class Written:
     """What one rank's part of a save wrote: its files' sizes and CRC-32s, and its items' CRC-32s by offset."""
 
     files: dict[str, dict[str, Any]]
-    items: dict[str, dict[str, str]]
+    items: dict[str, dict[str, Any]]  # file -> offset -> the item's checksums (trainer.checkpoint.dcp_items)
 
 
 def save(tensors: dict[str, torch.Tensor], layout: dict[str, tuple[torch.Size, torch.Size]],
@@ -199,7 +200,7 @@ class _Writer(StorageWriter):
         super().__init__()
         self.storage, self.folder, self.rank = storage, folder, rank
         self.files: dict[str, dict[str, Any]] = {}
-        self.items: dict[str, str] = {}  # offset -> CRC-32 of the item there
+        self.items: dict[str, Any] = {}  # offset -> the checksums of the item there (dcp_items.describe)
 
     def reset(self, checkpoint_id: Any = None) -> None:
         self.files, self.items = {}, {}
@@ -219,9 +220,9 @@ class _Writer(StorageWriter):
         def write(handle: Any) -> None:
             offset = 0
             for item in plan.items:
-                payload = _serialised(planner.resolve_data(item))
+                payload, tensor_bytes = _serialised(planner.resolve_data(item))
                 handle.write(payload)
-                self.items[str(offset)] = crc32_hex(payload)
+                self.items[str(offset)] = dcp_items.describe(payload, tensor_bytes)
                 results.append(WriteResult(index=item.index, size_in_bytes=len(payload),
                                            storage_data=_StorageInfo(filename, offset, len(payload))))
                 offset += len(payload)
@@ -279,15 +280,19 @@ def _plain(error: BaseException) -> Exception:
     return Relayed(f"{type(error).__name__}: {' '.join(str(error).split())[:300]}")
 
 
-def _serialised(data: torch.Tensor | io.BytesIO) -> memoryview | bytes:
+def _serialised(data: torch.Tensor | io.BytesIO) -> tuple[memoryview | bytes, int | None]:
+    """An item's record, and how many bytes its tensor's are (None: an item of bytes)."""
     if isinstance(data, io.BytesIO):
-        return data.getbuffer()
+        return data.getbuffer(), None
     tensor = data.detach().cpu()
-    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-        tensor = tensor.clone()  # a view: torch.save would write the whole storage behind it
+    size = tensor.numel() * tensor.element_size()
+    if not tensor.is_contiguous() or tensor.storage_offset() != 0 or tensor.untyped_storage().nbytes() != size:
+        # A view (torch.save would write the whole storage behind it), or rows in another order: a reader copies
+        # rows out of the record's bytes as they lie.
+        tensor = tensor.clone(memory_format=torch.contiguous_format)
     buffer = io.BytesIO()
     torch.save(tensor, buffer)
-    return buffer.getbuffer()
+    return buffer.getbuffer(), size
 
 
 # -- loading --------------------------------------------------------------------------------------------------
@@ -428,6 +433,10 @@ class _Reader(StorageReader):
         self.metadata = metadata
         self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
         self.bytes_read = 0
+        # Each saved chunk's shape, by its key and offsets: what a read of some of its rows needs.
+        self.chunk_sizes = {(key, tuple(chunk.offsets)): list(chunk.sizes)
+                            for key, value in metadata.state_dict_metadata.items()
+                            if isinstance(value, TensorStorageMetadata) for chunk in value.chunks}
 
     def reset(self, checkpoint_id: Any = None) -> None:
         self.storage_data = {}
@@ -457,7 +466,12 @@ class _Reader(StorageReader):
         for item in sorted(plan.items, key=lambda request: self._where(request)):
             if item.type == LoadItemType.BYTE_IO:  # this trainer asks for tensors only
                 raise InvalidCheckpoint(f"{item.storage_index.fqn} is not a tensor in the checkpoint")
-            data = self._checked(self.storage_data[item.storage_index])
+            info = self.storage_data[item.storage_index]
+            layout = self._layout(info)
+            if layout is not None:
+                _copy_in(self._tensor_bytes(item, info, layout), item, planner)
+                continue
+            data = self._checked(info)
             try:
                 tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             except Exception as error:  # noqa: BLE001 - a foreign file's item: unusable, said in one line
@@ -465,13 +479,45 @@ class _Reader(StorageReader):
                                         f"({load_failure(error)})") from None
             if not isinstance(tensor, torch.Tensor):
                 raise InvalidCheckpoint(f"the item of {item.storage_index.fqn} holds a {type(tensor).__name__}")
-            tensor = _narrowed(tensor, item.storage_offsets, item.lengths)
-            target = planner.resolve_tensor(item).detach()
-            if target.size() != tensor.size():
-                raise InvalidCheckpoint(f"an item of {item.storage_index.fqn} has shape {list(tensor.size())} where "
-                                        f"its metadata says {list(target.size())}")
-            target.copy_(tensor)
-            planner.commit_tensor(item, target)
+            _copy_in(_narrowed(tensor, item.storage_offsets, item.lengths), item, planner)
+
+    def _layout(self, info: _StorageInfo) -> dcp_items.ItemLayout | None:
+        """The item's layout with its parts' checksums; None where it is read whole and unpickled (a folder another
+        tool wrote, which has no items.json, or an item whose entry is one CRC-32)."""
+        if self.items is None:
+            return None
+        filename, offset = str(info.relative_path), int(info.offset)
+        entry = self.items.get(filename, {}).get(str(offset))
+        if entry is None:
+            raise InvalidCheckpoint(f"{ITEMS} has no checksum for the item at byte {offset} of {filename}")
+        return dcp_items.ItemLayout.of(entry, f"byte {offset} of {filename}")
+
+    def _tensor_bytes(self, item: ReadItem, info: _StorageInfo, layout: dcp_items.ItemLayout) -> torch.Tensor:
+        """The part of a saved chunk the read asks for, taken from the item's bytes: only the blocks holding its
+        rows are read where it wants rows of the chunk (a reshard), the whole item otherwise."""
+        key = item.storage_index.fqn
+        found = self.metadata.state_dict_metadata[key]
+        sizes = self.chunk_sizes.get((key, tuple(item.storage_index.offset or ())))
+        assert isinstance(found, TensorStorageMetadata)
+        dtype = found.properties.dtype
+        if sizes is None or math.prod(sizes) * dtype.itemsize != layout.length:
+            raise InvalidCheckpoint(f"an item of {key} holds {layout.length} bytes, which is not its chunk's shape "
+                                    f"{sizes} of {dtype}")
+        offsets, lengths = [int(value) for value in item.storage_offsets], [int(value) for value in item.lengths]
+        rows_only = bool(sizes) and all(offset == 0 and length == size for offset, length, size
+                                        in zip(offsets[1:], lengths[1:], sizes[1:], strict=True))
+        row_bytes = math.prod(sizes[1:]) * dtype.itemsize if rows_only else 0
+        first, end = (offsets[0] * row_bytes, (offsets[0] + lengths[0]) * row_bytes) if rows_only else (0, layout.length)
+        shape = [lengths[0], *sizes[1:]] if rows_only else sizes
+        if end == first:
+            return torch.empty(shape, dtype=dtype)
+        data, read = dcp_items.read_tensor_bytes(self.storage, self.folder, str(info.relative_path), int(info.offset),
+                                                 int(info.length), layout, first, end)
+        self.bytes_read += read
+        with warnings.catch_warnings():  # read-only bytes: the tensor is copied out at once, never written
+            warnings.simplefilter("ignore", UserWarning)
+            tensor = torch.frombuffer(data, dtype=dtype).view(shape)
+        return tensor if rows_only else _narrowed(tensor, offsets, lengths)
 
     def _where(self, request: ReadItem) -> tuple[str, int]:
         info = self.storage_data[request.storage_index]
@@ -574,7 +620,7 @@ class DcpSource:
         except ValueError as error:
             raise InvalidCheckpoint(f"{ITEMS} is not valid JSON ({error})") from None
         if not isinstance(items, dict) or not all(
-                isinstance(offsets, dict) and all(isinstance(crc, str) for crc in offsets.values())
+                isinstance(offsets, dict) and all(isinstance(entry, str | dict) for entry in offsets.values())
                 for offsets in items.values()):
             raise InvalidCheckpoint(f"{ITEMS} does not have the layout this trainer writes")
         return items
@@ -591,6 +637,15 @@ class DcpSource:
 
     def close(self) -> None:
         self._loaded.clear()
+
+
+def _copy_in(tensor: torch.Tensor, item: ReadItem, planner: LoadPlanner) -> None:
+    target = planner.resolve_tensor(item).detach()
+    if target.size() != tensor.size():
+        raise InvalidCheckpoint(f"an item of {item.storage_index.fqn} has shape {list(tensor.size())} where its "
+                                f"metadata says {list(target.size())}")
+    target.copy_(tensor)
+    planner.commit_tensor(item, target)
 
 
 def _narrowed(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:

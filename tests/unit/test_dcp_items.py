@@ -1,0 +1,101 @@
+"""A DCP item read by the part a reader needs (trainer.checkpoint.dcp_items): only the blocks holding the rows asked
+for, each checked; the whole item with its head and tail where all of it is wanted; the tensor's bytes taken as
+they lie in the torch.save record."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.checkpoint.dcp_files import _serialised
+from trainer.checkpoint.dcp_items import BLOCK, ItemLayout, describe, read_tensor_bytes
+from trainer.checkpoint.reading import InvalidCheckpoint
+from trainer.checkpoint.storage import open_storage
+
+ROWS, COLUMNS = 3000, 700  # 8.4 MB of float32: 9 blocks
+PADDING = 123  # the item lies after other bytes in its file, as every item but a file's first does
+
+
+@pytest.fixture
+def item(tmp_path: Path) -> tuple[torch.Tensor, ItemLayout, int, Path]:
+    tensor = torch.arange(ROWS * COLUMNS, dtype=torch.float32).reshape(COLUMNS, ROWS).t()  # rows not in order
+    payload, tensor_bytes = _serialised(tensor)
+    layout = ItemLayout.of(describe(payload, tensor_bytes), "test")
+    assert layout is not None and layout.length == ROWS * COLUMNS * 4 and len(layout.blocks) == 9
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "__0_0.distcp").write_bytes(b"x" * PADDING + bytes(payload))
+    return tensor, layout, len(payload), tmp_path / "ckpt" / "__0_0.distcp"
+
+
+def read_rows(path: Path, layout: ItemLayout, length: int, first: int, count: int) -> tuple[torch.Tensor, int]:
+    row = COLUMNS * 4
+    data, read = read_tensor_bytes(open_storage(str(path.parent.parent)), path.parent.name, path.name, PADDING,
+                                   length, layout, first * row, (first + count) * row)
+    return torch.frombuffer(bytearray(data), dtype=torch.float32).view(count, COLUMNS), read
+
+
+def flip(path: Path, at: int) -> None:
+    with open(path, "r+b") as handle:
+        handle.seek(at)
+        byte = handle.read(1)
+        handle.seek(at)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_some_rows_are_read_from_the_blocks_that_hold_them_and_all_from_the_whole_item(item):
+    tensor, layout, length, path = item
+    rows, read = read_rows(path, layout, length, 1000, 500)
+    assert torch.equal(rows, tensor[1000:1500]) and 500 * COLUMNS * 4 <= read <= 500 * COLUMNS * 4 + 2 * BLOCK
+    everything, read = read_rows(path, layout, length, 0, ROWS)
+    assert torch.equal(everything, tensor) and read == length
+
+
+def test_a_damaged_byte_is_found_where_it_is_read_and_only_there(item):
+    _, layout, length, path = item
+    flip(path, PADDING + 5)  # in the head: only a whole read checks it
+    read_rows(path, layout, length, 1000, 500)
+    with pytest.raises(InvalidCheckpoint, match=rf"^__0_0.distcp does not match its item checksum at byte "
+                                                rf"{PADDING} \(corrupted\)$"):
+        read_rows(path, layout, length, 0, ROWS)
+    flip(path, PADDING + 5)
+    flip(path, PADDING + layout.start + 1200 * COLUMNS * 4)  # in the rows read
+    read_rows(path, layout, length, 0, 500)
+    with pytest.raises(InvalidCheckpoint, match="does not match its item checksum"):
+        read_rows(path, layout, length, 1000, 500)
+
+
+def test_an_item_of_bytes_or_an_entry_of_another_shape_is_told_apart():
+    buffer = io.BytesIO(b"not a tensor")
+    payload, tensor_bytes = _serialised(buffer)
+    assert tensor_bytes is None and isinstance(describe(payload, tensor_bytes), str)
+    assert ItemLayout.of("1234abcd", "x") is None  # one CRC-32: an item written before, read whole
+    for entry in ({"data": [0, 10], "head": "0", "tail": "0", "blocks": []}, {"data": "x"}, 7):
+        with pytest.raises(InvalidCheckpoint, match="^items.json does not describe the item at x$"):
+            ItemLayout.of(entry, "x")
+
+
+def test_a_reshards_read_takes_the_blocks_of_its_rows_from_a_chunk_dcp_saved(tmp_path):
+    """Through the reader DCP calls: a rank that wants rows 1000-1499 of a saved 3000-row chunk (a reshard) reads
+    about their bytes, not the chunk's."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    from trainer.checkpoint import dcp_files
+
+    storage = open_storage(str(tmp_path))
+    folder = storage.begin("step-00000001")
+    tensor = torch.randn(ROWS, COLUMNS)
+    written = dcp_files.save({"model.weight": tensor}, {}, storage, folder, 0, None)
+    reader = dcp_files._Reader(storage, folder, dcp_files.folder_metadata(storage, folder, None), written.items)
+    reader.set_up_storage_reader(reader.metadata, True)
+    index = MetadataIndex("model.weight", torch.Size([0, 0]))
+    wanted = ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex("model.weight", torch.Size([1000, 0])),
+                      dest_offsets=torch.Size([0, 0]), storage_index=index, storage_offsets=torch.Size([1000, 0]),
+                      lengths=torch.Size([500, COLUMNS]))
+    info = reader.storage_data[index]
+    rows = reader._tensor_bytes(wanted, info, reader._layout(info))
+    assert torch.equal(rows, tensor[1000:1500])
+    assert 500 * COLUMNS * 4 <= reader.bytes_read <= 500 * COLUMNS * 4 + 2 * BLOCK < ROWS * COLUMNS * 4
