@@ -1,4 +1,4 @@
-"""Membership changes inside one running torchrun job: real elastic agents on loopback (``--nnodes=1:2``, a c10d
+"""Membership changes inside one running torchrun job (ddp, fsdp, hsdp): real elastic agents on loopback (``--nnodes=1:2``, a c10d
 rendezvous, one agent = one node of one rank). A node is lost mid-epoch (its agent and worker killed), the
 survivor goes on alone from the newest checkpoint; a node joins, and the job grows back. No person, no
 relaunch, and the ledger task counts every sample of the epoch trained exactly once across the whole history.
@@ -54,7 +54,7 @@ def step_sizes(first_world: int, resumes: list[tuple[int, int]]) -> list[int]:
     return sizes
 
 
-@pytest.mark.parametrize("sync", ["ddp", "fsdp"])
+@pytest.mark.parametrize("sync", ["ddp", "fsdp", "hsdp"])
 def test_a_node_lost_mid_epoch_and_one_added_later_the_job_goes_on_by_itself_training_every_sample_once(tmp_path,
                                                                                                        sync):
     run = tmp_path / "run"
