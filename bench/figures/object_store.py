@@ -22,6 +22,7 @@ import statistics
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 from typing import IO, Any
 
 from bench.harness.context import Context
@@ -52,6 +53,11 @@ def _manifest(files: dict[str, dict[str, Any]]) -> bytes:
     return repr(sorted(files)).encode()
 
 
+def _upload(storage: FsspecStorage, prefix: str, files: dict[str, bytes]) -> None:
+    for name, data in files.items():
+        storage.fs.pipe_file(f"{prefix}/{name}", data)
+
+
 def _timed(action: Callable[[], object]) -> float:
     started = time.perf_counter()
     action()
@@ -71,13 +77,12 @@ def run(ctx: Context) -> FigureResult:
             location = f"s3://{bucket}/ckpt"
             moved, in_place = FsspecStorage(location), _InPlace(location)
             for step in range(1, rounds + 1):
-                prefix = f"{moved.root}/upload-{uuid.uuid4().hex[:8]}"
-                times["upload"].append(_timed(lambda: [moved.fs.pipe_file(f"{prefix}/{name}", data)
-                                                       for name, data in files.items()]))
+                times["upload"].append(_timed(partial(_upload, moved, f"{moved.root}/upload-{uuid.uuid4().hex[:8]}",
+                                                      files)))
                 writers = {name: _writer(data) for name, data in files.items()}
-                times["moved"].append(_timed(lambda: moved.write(f"step-{2 * step:08d}", writers, _manifest)))
-                times["in_place"].append(_timed(lambda: in_place.write(f"step-{2 * step + 1:08d}", writers,
-                                                                       _manifest)))
+                times["moved"].append(_timed(partial(moved.write, f"step-{2 * step:08d}", writers, _manifest)))
+                times["in_place"].append(_timed(partial(in_place.write, f"step-{2 * step + 1:08d}", writers,
+                                                        _manifest)))
         finally:
             for name, value in previous.items():
                 if value is None:

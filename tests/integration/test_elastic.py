@@ -1,7 +1,8 @@
-"""Membership changes inside one running torchrun job (ddp, fsdp, hsdp): real elastic agents on loopback (``--nnodes=1:2``, a c10d
-rendezvous, one agent = one node of one rank). A node is lost mid-epoch (its agent and worker killed), the
-survivor goes on alone from the newest checkpoint; a node joins, and the job grows back. No person, no
-relaunch, and the ledger task counts every sample of the epoch trained exactly once across the whole history.
+"""Membership changes inside one running torchrun job, under ddp, fsdp and hsdp: real elastic agents on loopback
+(``--nnodes=1:2``, a c10d rendezvous, one agent = one node of one rank). A node is lost mid-epoch (its agent and
+worker killed), the survivor goes on alone from the newest checkpoint; a node joins, and the job grows back. No
+person, no relaunch, and the ledger task counts every sample of the epoch trained exactly once across the whole
+history.
 """
 
 from __future__ import annotations

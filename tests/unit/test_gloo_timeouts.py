@@ -18,7 +18,7 @@ from trainer.api import PEER_LOST, TIMED_OUT
 pytestmark = pytest.mark.timeout(90)
 
 
-def _rank(rank: int, port: int, errors: "mp.Queue[dict[str, str]]") -> None:
+def _rank(rank: int, port: int, errors: mp.Queue[dict[str, str]]) -> None:
     """Rank 1 sends nothing; rank 0 waits on a receive and, 0.3 s later, on a broadcast: the receive times out
     first, and gloo closes the pair under the broadcast."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,

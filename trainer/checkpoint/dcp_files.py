@@ -507,7 +507,8 @@ class _Reader(StorageReader):
         rows_only = bool(sizes) and all(offset == 0 and length == size for offset, length, size
                                         in zip(offsets[1:], lengths[1:], sizes[1:], strict=True))
         row_bytes = math.prod(sizes[1:]) * dtype.itemsize if rows_only else 0
-        first, end = (offsets[0] * row_bytes, (offsets[0] + lengths[0]) * row_bytes) if rows_only else (0, layout.length)
+        first, end = ((offsets[0] * row_bytes, (offsets[0] + lengths[0]) * row_bytes) if rows_only
+                      else (0, layout.length))
         shape = [lengths[0], *sizes[1:]] if rows_only else sizes
         if end == first:
             return torch.empty(shape, dtype=dtype)
