@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from trainer.checkpoint.dcp_files import _serialised
 from trainer.checkpoint.dcp_items import BLOCK, ItemLayout, describe, read_tensor_bytes
@@ -72,17 +75,56 @@ def test_an_item_of_bytes_or_an_entry_of_another_shape_is_told_apart():
     payload, tensor_bytes = _serialised(buffer)
     assert tensor_bytes is None and isinstance(describe(payload, tensor_bytes), str)
     assert ItemLayout.of("1234abcd", "x") is None  # one CRC-32: an item written before, read whole
-    for entry in ({"data": [0, 10], "head": "0", "tail": "0", "blocks": []}, {"data": "x"}, 7):
+    good = {"data": [64, 10], "head": "0", "tail": "0", "blocks": ["0"]}
+    assert ItemLayout.of(good, "x", 74) is not None
+    for entry, length in ((good, 73), ({**good, "data": [0, 10]}, 100), ({**good, "blocks": []}, 100),
+                          ({**good, "data": [float("inf"), 1]}, 100), ({"data": "x"}, 100), (7, 100)):
+        # bytes past the item (the next item's), the zip's own header taken for the tensor, blocks missing, ...
         with pytest.raises(InvalidCheckpoint, match="^items.json does not describe the item at x$"):
-            ItemLayout.of(entry, "x")
+            ItemLayout.of(entry, "x", length)
+
+
+def saved_and_read(tmp_path: Path, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Any]:
+    """Saved through DCP by this process alone, then read back whole through the reader DCP calls."""
+    from trainer.checkpoint import dcp_files
+
+    storage = open_storage(str(tmp_path))
+    folder = storage.begin("step-00000001")
+    written = dcp_files.save(tensors, {}, storage, folder, 0, None)
+    reader = dcp_files._Reader(storage, folder, dcp_files.folder_metadata(storage, folder, None), written.items)
+    reader.set_up_storage_reader(reader.metadata, True)
+    read = {}
+    for index, info in reader.storage_data.items():
+        layout = reader._layout(info)
+        assert layout is not None, index  # every one of these is read by its parts
+        size = torch.Size(reader.chunk_sizes[(index.fqn, tuple(index.offset))])
+        wanted = ReadItem(type=LoadItemType.TENSOR, dest_index=index, dest_offsets=torch.Size([0] * len(size)),
+                          storage_index=index, storage_offsets=torch.Size([0] * len(size)), lengths=size)
+        read[index.fqn] = reader._tensor_bytes(wanted, info, layout).clone()
+    return read, reader
+
+
+def test_what_only_a_tensors_pickle_says_is_in_its_bytes_or_it_is_read_whole_as_before(tmp_path):
+    """A conjugate or negative view's record holds the bytes before its flag: saved resolved, so that its bytes
+    are its values. A quantized type's bytes are not its values: such a type in the metadata is refused."""
+    complex_values = torch.tensor([[1 + 2j, 3 - 4j]], dtype=torch.complex64)
+    tensors = {"model.conj": complex_values.conj(), "model.neg": torch._neg_view(torch.tensor([[1.0, -2.0]])),
+               "model.step": torch.tensor(3.0)}
+    read, reader = saved_and_read(tmp_path, tensors)
+    for key, tensor in tensors.items():
+        assert torch.equal(read[key], tensor.resolve_conj().resolve_neg()), key
+    reader.metadata.state_dict_metadata["model.neg"].properties.dtype = torch.qint8  # a hostile .metadata
+    index = next(index for index in reader.storage_data if index.fqn == "model.neg")
+    wanted = ReadItem(type=LoadItemType.TENSOR, dest_index=index, dest_offsets=torch.Size([0, 0]),
+                      storage_index=index, storage_offsets=torch.Size([0, 0]), lengths=torch.Size([1, 2]))
+    with pytest.raises(InvalidCheckpoint, match=r"^its metadata gives model.neg the type torch.qint8, whose items "
+                                                r"this trainer does not read as bytes$"):
+        reader._tensor_bytes(wanted, reader.storage_data[index], reader._layout(reader.storage_data[index]))
 
 
 def test_a_reshards_read_takes_the_blocks_of_its_rows_from_a_chunk_dcp_saved(tmp_path):
     """Through the reader DCP calls: a rank that wants rows 1000-1499 of a saved 3000-row chunk (a reshard) reads
     about their bytes, not the chunk's."""
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
-
     from trainer.checkpoint import dcp_files
 
     storage = open_storage(str(tmp_path))

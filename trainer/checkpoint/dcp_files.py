@@ -284,9 +284,13 @@ def _serialised(data: torch.Tensor | io.BytesIO) -> tuple[memoryview | bytes, in
     """An item's record, and how many bytes its tensor's are (None: an item of bytes)."""
     if isinstance(data, io.BytesIO):
         return data.getbuffer(), None
-    tensor = data.detach().cpu()
+    # A conjugate or negative view's record holds the bytes before the flag, which only its pickle says: resolved
+    # here, so that the bytes are the values (a no-op for any other tensor).
+    tensor = data.detach().cpu().resolve_conj().resolve_neg()
     size = tensor.numel() * tensor.element_size()
-    if not tensor.is_contiguous() or tensor.storage_offset() != 0 or tensor.untyped_storage().nbytes() != size:
+    if type(tensor) is not torch.Tensor or tensor.is_quantized or not dcp_items.plain_dtype(tensor.dtype):
+        size = None  # its pickle holds more than the bytes (a scale, a subclass's state): read whole and unpickled
+    elif not tensor.is_contiguous() or tensor.storage_offset() != 0 or tensor.untyped_storage().nbytes() != size:
         # A view (torch.save would write the whole storage behind it), or rows in another order: a reader copies
         # rows out of the record's bytes as they lie.
         tensor = tensor.clone(memory_format=torch.contiguous_format)
@@ -490,7 +494,7 @@ class _Reader(StorageReader):
         entry = self.items.get(filename, {}).get(str(offset))
         if entry is None:
             raise InvalidCheckpoint(f"{ITEMS} has no checksum for the item at byte {offset} of {filename}")
-        return dcp_items.ItemLayout.of(entry, f"byte {offset} of {filename}")
+        return dcp_items.ItemLayout.of(entry, f"byte {offset} of {filename}", int(info.length))
 
     def _tensor_bytes(self, item: ReadItem, info: _StorageInfo, layout: dcp_items.ItemLayout) -> torch.Tensor:
         """The part of a saved chunk the read asks for, taken from the item's bytes: only the blocks holding its
@@ -500,6 +504,9 @@ class _Reader(StorageReader):
         sizes = self.chunk_sizes.get((key, tuple(item.storage_index.offset or ())))
         assert isinstance(found, TensorStorageMetadata)
         dtype = found.properties.dtype
+        if not dcp_items.plain_dtype(dtype):
+            raise InvalidCheckpoint(f"its metadata gives {key} the type {dtype}, whose items this trainer does not "
+                                    f"read as bytes")
         if sizes is None or math.prod(sizes) * dtype.itemsize != layout.length:
             raise InvalidCheckpoint(f"an item of {key} holds {layout.length} bytes, which is not its chunk's shape "
                                     f"{sizes} of {dtype}")

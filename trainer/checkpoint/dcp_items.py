@@ -19,15 +19,19 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from trainer.checkpoint.reading import InvalidCheckpoint
 from trainer.checkpoint.storage import CheckpointStorage, crc32_hex
 
-__all__ = ["BLOCK", "ItemLayout", "describe", "read_tensor_bytes"]
+__all__ = ["BLOCK", "ItemLayout", "describe", "plain_dtype", "read_tensor_bytes"]
 
 # What a reshard may read beyond the rows it needs: up to a block before them and one after, per item.
 BLOCK = 1 << 20
 _STORAGE_ENTRY = re.compile(r"(^|/)data/\d+$")  # where torch.save puts a storage's bytes in its zip
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature ... file name length, extra field length (30 bytes)
+_BYTES_ARE_VALUES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16,
+                     torch.uint32, torch.uint64}
 
 
 @dataclass(frozen=True)
@@ -44,20 +48,28 @@ class ItemLayout:
         return {"data": [self.start, self.length], "head": self.head, "blocks": self.blocks, "tail": self.tail}
 
     @classmethod
-    def of(cls, entry: Any, where: str) -> ItemLayout | None:
-        """An items.json entry read back: None for one CRC-32 (an item written before); InvalidCheckpoint for an
-        entry that is neither."""
+    def of(cls, entry: Any, where: str, item_length: int | None = None) -> ItemLayout | None:
+        """An items.json entry read back, for an item of ``item_length`` bytes: None for one CRC-32 (an item
+        written before); InvalidCheckpoint for an entry that is neither, or whose tensor bytes lie outside the
+        item or where its zip's first header is."""
         if isinstance(entry, str):
             return None
         try:
             start, length = (int(value) for value in entry["data"])
             head, blocks, tail = entry["head"], list(entry["blocks"]), entry["tail"]
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):
             raise InvalidCheckpoint(f"items.json does not describe the item at {where}") from None
-        if (start < 0 or length < 0 or len(blocks) != -(-length // BLOCK)
+        if (start < _LOCAL_HEADER.size or length < 0 or len(blocks) != -(-length // BLOCK)
+                or (item_length is not None and start + length > item_length)
                 or not all(isinstance(crc, str) for crc in (head, tail, *blocks))):
             raise InvalidCheckpoint(f"items.json does not describe the item at {where}")
         return cls(start, length, head, blocks, tail)
+
+
+def plain_dtype(dtype: torch.dtype) -> bool:
+    """A type whose values are their bytes (floating, complex, integer, bool): not a quantized one, whose scale
+    and zero point only the record's pickle holds."""
+    return dtype.is_floating_point or dtype.is_complex or dtype in _BYTES_ARE_VALUES
 
 
 def describe(payload: memoryview | bytes, tensor_bytes: int | None) -> dict[str, Any] | str:
@@ -122,7 +134,12 @@ def read_tensor_bytes(storage: CheckpointStorage, folder: str, filename: str, of
     whole = first == 0 and end == layout.length
     begin, stop = ((-layout.start, item_length - layout.start) if whole else
                    ((first // BLOCK) * BLOCK, min(-(-end // BLOCK) * BLOCK, layout.length)))
-    data = storage.read_range(folder, filename, offset + layout.start + begin, stop - begin)
+    try:
+        data = storage.read_range(folder, filename, offset + layout.start + begin, stop - begin)
+    except FileNotFoundError:
+        raise InvalidCheckpoint(f"{filename} is missing (its metadata names it)") from None
+    except OSError as error:
+        raise InvalidCheckpoint(f"{filename} unreadable ({error.strerror or error})") from None
     if len(data) != stop - begin:
         raise InvalidCheckpoint(f"{filename} ends before byte {offset + layout.start + stop} (truncated)")
     view = memoryview(data)
