@@ -141,3 +141,35 @@ def test_a_reshards_read_takes_the_blocks_of_its_rows_from_a_chunk_dcp_saved(tmp
     rows = reader._tensor_bytes(wanted, info, reader._layout(info))
     assert torch.equal(rows, tensor[1000:1500])
     assert 500 * COLUMNS * 4 <= reader.bytes_read <= 500 * COLUMNS * 4 + 2 * BLOCK < ROWS * COLUMNS * 4
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_whole_chunk_is_read_straight_into_the_tensor_it_loads_into_and_still_checked(where, tmp_path):
+    """A resume at the world size of the save: each chunk's bytes go straight into the rank's tensor (a local
+    file: preadv into its memory; an object store: copied in), head, blocks and tail checked."""
+    import uuid
+
+    from trainer.checkpoint import dcp_files
+
+    location = str(tmp_path) if where == "local" else f"memory://items-{uuid.uuid4().hex}"
+    storage = open_storage(location)
+    folder = storage.begin("step-00000001")
+    tensor = torch.randn(ROWS, COLUMNS)
+    written = dcp_files.save({"model.weight": tensor}, {}, storage, folder, 0, None)
+    reader = dcp_files._Reader(storage, folder, dcp_files.folder_metadata(storage, folder, None), written.items)
+    reader.set_up_storage_reader(reader.metadata, True)
+    [(index, info)] = reader.storage_data.items()
+    whole = ReadItem(type=LoadItemType.TENSOR, dest_index=index, dest_offsets=torch.Size([0, 0]), storage_index=index,
+                     storage_offsets=torch.Size([0, 0]), lengths=torch.Size([ROWS, COLUMNS]))
+    target = torch.empty(ROWS, COLUMNS)
+    assert reader._read_into(target, whole, info, reader._layout(info)) and torch.equal(target, tensor)
+    assert not reader._read_into(torch.empty(ROWS, COLUMNS, dtype=torch.float64), whole, info, reader._layout(info))
+    data = bytearray(storage.read(folder, "__0_0.distcp"))
+    data[len(data) // 2] ^= 0xFF
+    if where == "local":
+        (tmp_path / folder / "__0_0.distcp").write_bytes(data)
+    else:
+        storage.fs.pipe_file(storage._path(folder, "__0_0.distcp"), bytes(data))
+    with pytest.raises(InvalidCheckpoint, match=r"^__0_0.distcp does not match its item checksum at byte 0 "
+                                                r"\(corrupted\)$"):
+        reader._read_into(torch.empty(ROWS, COLUMNS), whole, info, reader._layout(info))

@@ -473,7 +473,11 @@ class _Reader(StorageReader):
             info = self.storage_data[item.storage_index]
             layout = self._layout(info)
             if layout is not None:
-                _copy_in(self._tensor_bytes(item, info, layout), item, planner)
+                target = planner.resolve_tensor(item).detach()
+                if self._read_into(target, item, info, layout):
+                    planner.commit_tensor(item, target)
+                else:
+                    _copy_in(self._tensor_bytes(item, info, layout), item, planner)
                 continue
             data = self._checked(info)
             try:
@@ -495,6 +499,23 @@ class _Reader(StorageReader):
         if entry is None:
             raise InvalidCheckpoint(f"{ITEMS} has no checksum for the item at byte {offset} of {filename}")
         return dcp_items.ItemLayout.of(entry, f"byte {offset} of {filename}", int(info.length))
+
+    def _read_into(self, target: torch.Tensor, item: ReadItem, info: _StorageInfo,
+                   layout: dcp_items.ItemLayout) -> bool:
+        """A whole saved chunk read straight into the memory of the tensor it loads into, where that is its exact
+        layout (a resume at the world size it was saved at): no copy in between. False where it is not."""
+        key = item.storage_index.fqn
+        found = self.metadata.state_dict_metadata[key]
+        sizes = self.chunk_sizes.get((key, tuple(item.storage_index.offset or ())))
+        if (not isinstance(found, TensorStorageMetadata) or target.dtype != found.properties.dtype
+                or not dcp_items.plain_dtype(target.dtype) or sizes is None or list(target.shape) != sizes
+                or list(item.lengths) != sizes or not target.is_contiguous() or target.device.type != "cpu"
+                or target.numel() * target.element_size() != layout.length or layout.length == 0):
+            return False
+        memory = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+        self.bytes_read += dcp_items.read_whole_into(self.storage, self.folder, str(info.relative_path),
+                                                     int(info.offset), int(info.length), layout, memory)
+        return True
 
     def _tensor_bytes(self, item: ReadItem, info: _StorageInfo, layout: dcp_items.ItemLayout) -> torch.Tensor:
         """The part of a saved chunk the read asks for, taken from the item's bytes: only the blocks holding its

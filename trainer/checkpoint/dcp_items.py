@@ -24,7 +24,7 @@ import torch
 from trainer.checkpoint.reading import InvalidCheckpoint
 from trainer.checkpoint.storage import CheckpointStorage, crc32_hex
 
-__all__ = ["BLOCK", "ItemLayout", "describe", "plain_dtype", "read_tensor_bytes"]
+__all__ = ["BLOCK", "ItemLayout", "describe", "plain_dtype", "read_tensor_bytes", "read_whole_into"]
 
 # What a reshard may read beyond the rows it needs: up to a block before them and one after, per item.
 BLOCK = 1 << 20
@@ -124,6 +124,29 @@ class _ViewReader(io.RawIOBase):
         buffer[:count] = self.view[self.position:self.position + count]
         self.position += count
         return count
+
+
+def read_whole_into(storage: CheckpointStorage, folder: str, filename: str, offset: int, item_length: int,
+                    layout: ItemLayout, into: memoryview) -> int:
+    """The tensor's bytes of the item at ``offset`` read straight into ``into`` (its ``layout.length`` bytes: a
+    tensor's memory), its head and tail beside them, every part checked; how many bytes were read. On a failure
+    ``into`` holds what was read: the load that gave it fails."""
+    head_and_tail = (0, layout.start), (layout.start + layout.length, item_length - layout.start - layout.length)
+    try:
+        got = storage.read_range_into(folder, filename, offset + layout.start, into)
+        parts = [storage.read_range(folder, filename, offset + start, length) for start, length in head_and_tail]
+    except FileNotFoundError:
+        raise InvalidCheckpoint(f"{filename} is missing (its metadata names it)") from None
+    except OSError as error:
+        raise InvalidCheckpoint(f"{filename} unreadable ({error.strerror or error})") from None
+    if got != layout.length or [len(part) for part in parts] != [length for _, length in head_and_tail]:
+        raise InvalidCheckpoint(f"{filename} ends before byte {offset + item_length} (truncated)")
+    checks = [(parts[0], layout.head), (parts[1], layout.tail),
+              *((into[start:start + BLOCK], crc) for start, crc in zip(range(0, layout.length, BLOCK), layout.blocks,
+                                                                      strict=True))]
+    if any(crc32_hex(piece) != expected for piece, expected in checks):
+        raise InvalidCheckpoint(f"{filename} does not match its item checksum at byte {offset} (corrupted)")
+    return item_length
 
 
 def read_tensor_bytes(storage: CheckpointStorage, folder: str, filename: str, offset: int, item_length: int,

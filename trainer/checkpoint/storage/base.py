@@ -180,6 +180,12 @@ class CheckpointStorage(ABC):
     def read_range(self, name: str, filename: str, offset: int, length: int) -> bytes:
         """``length`` bytes of the file from ``offset`` (fewer only where the file ends sooner)."""
 
+    def read_range_into(self, name: str, filename: str, offset: int, buffer: memoryview) -> int:
+        """``read_range`` into ``buffer`` (bytes of a tensor about to be loaded); how many bytes it got."""
+        data = self.read_range(name, filename, offset, len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
     @abstractmethod
     def size(self, name: str, filename: str) -> int:
         """The file's size in bytes, known before reading it; NotAFile if it is no plain file."""
