@@ -145,8 +145,9 @@ def test_a_reshards_read_takes_the_blocks_of_its_rows_from_a_chunk_dcp_saved(tmp
 
 @pytest.mark.parametrize("where", ["local", "memory"])
 def test_a_whole_chunk_is_read_straight_into_the_tensor_it_loads_into_and_still_checked(where, tmp_path):
-    """A resume at the world size of the save: each chunk's bytes go straight into the rank's tensor (a local
-    file: preadv into its memory; an object store: copied in), head, blocks and tail checked."""
+    """A resume at the world size of the save: each chunk's bytes go straight into the rank's tensor from a local
+    file (one preadv into its memory and the head's and tail's buffers); an object store's item is fetched in one
+    request and copied in. Head, blocks and tail checked either way."""
     import uuid
 
     from trainer.checkpoint import dcp_files
@@ -162,7 +163,14 @@ def test_a_whole_chunk_is_read_straight_into_the_tensor_it_loads_into_and_still_
     whole = ReadItem(type=LoadItemType.TENSOR, dest_index=index, dest_offsets=torch.Size([0, 0]), storage_index=index,
                      storage_offsets=torch.Size([0, 0]), lengths=torch.Size([ROWS, COLUMNS]))
     target = torch.empty(ROWS, COLUMNS)
-    assert reader._read_into(target, whole, info, reader._layout(info)) and torch.equal(target, tensor)
+
+    def load() -> torch.Tensor:
+        if reader._read_into(target, whole, info, reader._layout(info)):
+            return target
+        assert where == "memory"
+        return reader._tensor_bytes(whole, info, reader._layout(info))
+
+    assert torch.equal(load(), tensor) and reader.bytes_read == info.length
     assert not reader._read_into(torch.empty(ROWS, COLUMNS, dtype=torch.float64), whole, info, reader._layout(info))
     data = bytearray(storage.read(folder, "__0_0.distcp"))
     data[len(data) // 2] ^= 0xFF
@@ -172,4 +180,13 @@ def test_a_whole_chunk_is_read_straight_into_the_tensor_it_loads_into_and_still_
         storage.fs.pipe_file(storage._path(folder, "__0_0.distcp"), bytes(data))
     with pytest.raises(InvalidCheckpoint, match=r"^__0_0.distcp does not match its item checksum at byte 0 "
                                                 r"\(corrupted\)$"):
-        reader._read_into(torch.empty(ROWS, COLUMNS), whole, info, reader._layout(info))
+        load()
+
+
+def test_a_short_read_goes_on_into_what_is_left_of_the_buffers():
+    from trainer.checkpoint.storage.base import remaining
+
+    buffers = [memoryview(bytearray(3)), memoryview(bytearray(4)), memoryview(bytearray(2))]
+    assert [len(piece) for piece in remaining(buffers, 0)] == [3, 4, 2]
+    assert [len(piece) for piece in remaining(buffers, 5)] == [2, 2]
+    assert [len(piece) for piece in remaining(buffers, 7)] == [2] and remaining(buffers, 9) == []

@@ -503,11 +503,14 @@ class _Reader(StorageReader):
     def _read_into(self, target: torch.Tensor, item: ReadItem, info: _StorageInfo,
                    layout: dcp_items.ItemLayout) -> bool:
         """A whole saved chunk read straight into the memory of the tensor it loads into, where that is its exact
-        layout (a resume at the world size it was saved at): no copy in between. False where it is not."""
+        layout (a resume at the world size it was saved at) and the storage reads into memory (a local file; an
+        object store's item is fetched once and copied, by ``_tensor_bytes``): no copy in between. False where it
+        is not."""
         key = item.storage_index.fqn
         found = self.metadata.state_dict_metadata[key]
         sizes = self.chunk_sizes.get((key, tuple(item.storage_index.offset or ())))
-        if (not isinstance(found, TensorStorageMetadata) or target.dtype != found.properties.dtype
+        if (not self.storage.reads_into or not isinstance(found, TensorStorageMetadata)
+                or target.dtype != found.properties.dtype
                 or not dcp_items.plain_dtype(target.dtype) or sizes is None or list(target.shape) != sizes
                 or list(item.lengths) != sizes or not target.is_contiguous() or target.device.type != "cpu"
                 or target.numel() * target.element_size() != layout.length or layout.length == 0):

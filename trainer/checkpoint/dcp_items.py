@@ -128,20 +128,19 @@ class _ViewReader(io.RawIOBase):
 
 def read_whole_into(storage: CheckpointStorage, folder: str, filename: str, offset: int, item_length: int,
                     layout: ItemLayout, into: memoryview) -> int:
-    """The tensor's bytes of the item at ``offset`` read straight into ``into`` (its ``layout.length`` bytes: a
-    tensor's memory), its head and tail beside them, every part checked; how many bytes were read. On a failure
-    ``into`` holds what was read: the load that gave it fails."""
-    head_and_tail = (0, layout.start), (layout.start + layout.length, item_length - layout.start - layout.length)
+    """The item at ``offset`` read in one request, its tensor's bytes straight into ``into`` (``layout.length``
+    bytes: a tensor's memory), its head and tail beside them, every part checked; how many bytes were read. On a
+    failure ``into`` holds what was read: the load that gave it fails."""
+    head, tail = bytearray(layout.start), bytearray(item_length - layout.start - layout.length)
     try:
-        got = storage.read_range_into(folder, filename, offset + layout.start, into)
-        parts = [storage.read_range(folder, filename, offset + start, length) for start, length in head_and_tail]
+        got = storage.read_range_into(folder, filename, offset, [memoryview(head), into, memoryview(tail)])
     except FileNotFoundError:
         raise InvalidCheckpoint(f"{filename} is missing (its metadata names it)") from None
     except OSError as error:
         raise InvalidCheckpoint(f"{filename} unreadable ({error.strerror or error})") from None
-    if got != layout.length or [len(part) for part in parts] != [length for _, length in head_and_tail]:
+    if got != item_length:
         raise InvalidCheckpoint(f"{filename} ends before byte {offset + item_length} (truncated)")
-    checks = [(parts[0], layout.head), (parts[1], layout.tail),
+    checks = [(memoryview(head), layout.head), (memoryview(tail), layout.tail),
               *((into[start:start + BLOCK], crc) for start, crc in zip(range(0, layout.length, BLOCK), layout.blocks,
                                                                       strict=True))]
     if any(crc32_hex(piece) != expected for piece, expected in checks):

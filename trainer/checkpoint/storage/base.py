@@ -180,11 +180,14 @@ class CheckpointStorage(ABC):
     def read_range(self, name: str, filename: str, offset: int, length: int) -> bytes:
         """``length`` bytes of the file from ``offset`` (fewer only where the file ends sooner)."""
 
-    def read_range_into(self, name: str, filename: str, offset: int, buffer: memoryview) -> int:
-        """``read_range`` into ``buffer`` (bytes of a tensor about to be loaded); how many bytes it got."""
-        data = self.read_range(name, filename, offset, len(buffer))
-        buffer[:len(data)] = data
-        return len(data)
+    # Whether the backend reads into memory it is given (``read_range_into``: a local file); an object store's
+    # reader fetches a range once (``read_range``) and copies what it needs.
+    reads_into = False
+
+    def read_range_into(self, name: str, filename: str, offset: int, buffers: list[memoryview]) -> int:
+        """The bytes from ``offset`` into ``buffers``, one after the other (a tensor's memory among them); how
+        many bytes it got (fewer only where the file ends sooner). Only where ``reads_into``."""
+        raise NotImplementedError(f"{type(self).__name__} reads ranges with read_range")
 
     @abstractmethod
     def size(self, name: str, filename: str) -> int:
@@ -219,6 +222,18 @@ class CheckpointStorage(ABC):
     @abstractmethod
     def remove_file(self, name: str, filename: str) -> None: ...
 
+
+
+def remaining(buffers: list[memoryview], done: int) -> list[memoryview]:
+    """What of ``buffers`` is left to fill once ``done`` bytes went into them, in order."""
+    left = []
+    for buffer in buffers:
+        if done >= len(buffer):
+            done -= len(buffer)
+            continue
+        left.append(buffer[done:])
+        done = 0
+    return left
 
 
 def _replaced_name(name: str) -> str | None:

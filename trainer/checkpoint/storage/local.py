@@ -11,7 +11,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from trainer.checkpoint.storage.base import REPLACED_PREFIX, TEMP_PREFIX, CheckpointStorage, NotAFile
+from trainer.checkpoint.storage.base import (
+    REPLACED_PREFIX,
+    TEMP_PREFIX,
+    CheckpointStorage,
+    NotAFile,
+    remaining,
+)
 from trainer.errors import CheckpointError
 
 
@@ -87,14 +93,17 @@ class LocalStorage(CheckpointStorage):
         finally:
             os.close(descriptor)
 
-    def read_range_into(self, name: str, filename: str, offset: int, buffer: memoryview) -> int:
-        # Straight into the tensor's memory: no bytes object in between, which a copy would then empty.
+    reads_into = True
+
+    def read_range_into(self, name: str, filename: str, offset: int, buffers: list[memoryview]) -> int:
+        # One preadv straight into the buffers (a tensor's memory): no bytes object in between to copy from.
         self.size(name, filename)
         descriptor = _no_follow(str(self.root / name / filename), os.O_RDONLY)
+        total = sum(len(buffer) for buffer in buffers)
         try:
             done = 0
-            while done < len(buffer):  # preadv may return less than asked (a signal, a network file system)
-                got = os.preadv(descriptor, [buffer[done:]], offset + done)
+            while done < total:  # preadv may return less than asked (a signal, a network file system)
+                got = os.preadv(descriptor, remaining(buffers, done), offset + done)
                 if not got:
                     break
                 done += got
