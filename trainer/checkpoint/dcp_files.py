@@ -562,12 +562,8 @@ class _Reader(StorageReader):
             expected = self.items.get(filename, {}).get(str(offset))
             if expected is None:
                 raise InvalidCheckpoint(f"{ITEMS} has no checksum for the item at byte {offset} of {filename}")
-        try:
+        with dcp_items.read_errors(filename):
             data = self.storage.read_range(self.folder, filename, offset, length)
-        except FileNotFoundError:
-            raise InvalidCheckpoint(f"{filename} is missing (its metadata names it)") from None
-        except OSError as error:
-            raise InvalidCheckpoint(f"{filename} unreadable ({error.strerror or error})") from None
         if len(data) != length:
             raise InvalidCheckpoint(f"{filename} ends before byte {offset + length} (truncated)")
         if expected is not None and crc32_hex(data) != expected:

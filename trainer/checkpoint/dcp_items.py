@@ -12,10 +12,12 @@ with ``torch.load`` as it was then (trainer.checkpoint.dcp_files).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import re
 import struct
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +26,7 @@ import torch
 from trainer.checkpoint.reading import InvalidCheckpoint
 from trainer.checkpoint.storage import CheckpointStorage, crc32_hex
 
-__all__ = ["BLOCK", "ItemLayout", "describe", "plain_dtype", "read_tensor_bytes", "read_whole_into"]
+__all__ = ["BLOCK", "ItemLayout", "describe", "plain_dtype", "read_errors", "read_tensor_bytes", "read_whole_into"]
 
 # What a reshard may read beyond the rows it needs: up to a block before them and one after, per item.
 BLOCK = 1 << 20
@@ -126,18 +128,25 @@ class _ViewReader(io.RawIOBase):
         return count
 
 
+@contextlib.contextmanager
+def read_errors(filename: str) -> Iterator[None]:
+    """A data file that cannot be read, in one line: gone since rank 0 checked it, or unreadable."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise InvalidCheckpoint(f"{filename} is missing (its metadata names it)") from None
+    except OSError as error:
+        raise InvalidCheckpoint(f"{filename} unreadable ({error.strerror or error})") from None
+
+
 def read_whole_into(storage: CheckpointStorage, folder: str, filename: str, offset: int, item_length: int,
                     layout: ItemLayout, into: memoryview) -> int:
     """The item at ``offset`` read in one request, its tensor's bytes straight into ``into`` (``layout.length``
     bytes: a tensor's memory), its head and tail beside them, every part checked; how many bytes were read. On a
     failure ``into`` holds what was read: the load that gave it fails."""
     head, tail = bytearray(layout.start), bytearray(item_length - layout.start - layout.length)
-    try:
+    with read_errors(filename):
         got = storage.read_range_into(folder, filename, offset, [memoryview(head), into, memoryview(tail)])
-    except FileNotFoundError:
-        raise InvalidCheckpoint(f"{filename} is missing (its metadata names it)") from None
-    except OSError as error:
-        raise InvalidCheckpoint(f"{filename} unreadable ({error.strerror or error})") from None
     if got != item_length:
         raise InvalidCheckpoint(f"{filename} ends before byte {offset + item_length} (truncated)")
     checks = [(memoryview(head), layout.head), (memoryview(tail), layout.tail),
@@ -156,12 +165,8 @@ def read_tensor_bytes(storage: CheckpointStorage, folder: str, filename: str, of
     whole = first == 0 and end == layout.length
     begin, stop = ((-layout.start, item_length - layout.start) if whole else
                    ((first // BLOCK) * BLOCK, min(-(-end // BLOCK) * BLOCK, layout.length)))
-    try:
+    with read_errors(filename):
         data = storage.read_range(folder, filename, offset + layout.start + begin, stop - begin)
-    except FileNotFoundError:
-        raise InvalidCheckpoint(f"{filename} is missing (its metadata names it)") from None
-    except OSError as error:
-        raise InvalidCheckpoint(f"{filename} unreadable ({error.strerror or error})") from None
     if len(data) != stop - begin:
         raise InvalidCheckpoint(f"{filename} ends before byte {offset + layout.start + stop} (truncated)")
     view = memoryview(data)
