@@ -29,20 +29,24 @@ from bench.harness.context import Context
 from bench.harness.measure import load_average
 from bench.harness.results import FigureResult, Row
 from devtools.s3_server import s3_server
-from trainer.checkpoint.storage.fsspec_backend import FsspecStorage
+from trainer.checkpoint import CheckpointStorage, open_storage
 
 TITLE = "Checkpoints on an object store"
 
 
-class _InPlace(FsspecStorage):
-    """A save written in its final folder, committed by its manifest alone (see the module's docstring)."""
+def _in_place(storage: CheckpointStorage) -> CheckpointStorage:
+    """The same store's backend, a save written in its final folder and committed by its manifest alone (see the
+    module's docstring)."""
 
-    def begin(self, name: str) -> str:
-        self._make_folder(name)
-        return name
+    class InPlace(type(storage)):  # type: ignore[misc] - the backend open_storage chose for the URL
+        def begin(self, name: str) -> str:
+            self._make_folder(name)
+            return name
 
-    def _commit(self, temporary: str, name: str) -> None:
-        pass  # the manifest, just written, is the commit
+        def _commit(self, temporary: str, name: str) -> None:
+            pass  # the manifest, just written, is the commit
+
+    return InPlace(storage.location)
 
 
 def _writer(data: bytes) -> Callable[[IO[bytes]], None]:
@@ -53,7 +57,7 @@ def _manifest(files: dict[str, dict[str, Any]]) -> bytes:
     return repr(sorted(files)).encode()
 
 
-def _upload(storage: FsspecStorage, prefix: str, files: dict[str, bytes]) -> None:
+def _upload(storage: Any, prefix: str, files: dict[str, bytes]) -> None:
     for name, data in files.items():
         storage.fs.pipe_file(f"{prefix}/{name}", data)
 
@@ -75,7 +79,8 @@ def run(ctx: Context) -> FigureResult:
         os.environ.update(server.env)  # s3fs (botocore) reads the endpoint and the credentials from here
         try:
             location = f"s3://{bucket}/ckpt"
-            moved, in_place = FsspecStorage(location), _InPlace(location)
+            moved = open_storage(location)  # the fsspec backend, as a save to s3:// opens it
+            in_place = _in_place(moved)
             for step in range(1, rounds + 1):
                 times["upload"].append(_timed(partial(_upload, moved, f"{moved.root}/upload-{uuid.uuid4().hex[:8]}",
                                                       files)))
