@@ -3,14 +3,10 @@ or MinIO would be), against uploading the same bytes, measured in one run, inter
 
 The checkpoint is files of equal size (one per rank, as a sharded save writes) plus its manifest:
   upload    each file put as one object, nothing else (what any save must pay);
-  moved     FsspecStorage.write, the save as it is: the files written through their checksums into a temporary
-            folder, the manifest last, then moved into place object by object, the manifest last (a move on S3
-            is a server-side copy of every object and a delete);
-  in place  the same files written straight into the step's folder, the manifest last and nothing moved: what
-            a commit by the manifest alone would cost. Not how checkpoints are committed: two saves of one step
-            (a job that stalled past its lease and one that took the folder over) would then share object names,
-            and one could overwrite or remove the other's (docs/checkpoints.md); this row is the bound a layout
-            with a folder of its own per save, named by the manifest, could reach.
+  in place  the backend's write, the save as it is: the files written through their checksums straight into the
+            save's own folder (step-N.<save>), the manifest last, which commits it; nothing moved;
+  moved     the previous release's commit: the same files written into a temporary folder, then moved into place
+            object by object, the manifest last (a move on S3 is a server-side copy of every object and a delete).
 A loopback server copies in memory: against a real store, whose copies run at its internal bandwidth and are
 billed as requests, a move costs more than here.
 """
@@ -34,19 +30,14 @@ from trainer.checkpoint import CheckpointStorage, open_storage
 TITLE = "Checkpoints on an object store"
 
 
-def _in_place(storage: CheckpointStorage) -> CheckpointStorage:
-    """The same store's backend, a save written in its final folder and committed by its manifest alone (see the
+def _moved(storage: CheckpointStorage) -> CheckpointStorage:
+    """The same store's backend as the previous release used it: a temporary folder moved into place (see the
     module's docstring)."""
 
-    class InPlace(type(storage)):  # type: ignore[misc] - the backend open_storage chose for the URL
-        def begin(self, name: str) -> str:
-            self._make_folder(name)
-            return name
+    class Moved(type(storage)):  # type: ignore[misc] - the backend open_storage chose for the URL
+        commits_in_place = False
 
-        def _commit(self, temporary: str, name: str) -> None:
-            pass  # the manifest, just written, is the commit
-
-    return InPlace(storage.location)
+    return Moved(storage.location)
 
 
 def _writer(data: bytes) -> Callable[[IO[bytes]], None]:
@@ -79,8 +70,8 @@ def run(ctx: Context) -> FigureResult:
         os.environ.update(server.env)  # s3fs (botocore) reads the endpoint and the credentials from here
         try:
             location = f"s3://{bucket}/ckpt"
-            moved = open_storage(location)  # the fsspec backend, as a save to s3:// opens it
-            in_place = _in_place(moved)
+            in_place = open_storage(location)  # the fsspec backend, as a save to s3:// opens it
+            moved = _moved(in_place)
             for step in range(1, rounds + 1):
                 times["upload"].append(_timed(partial(_upload, moved, f"{moved.root}/upload-{uuid.uuid4().hex[:8]}",
                                                       files)))
@@ -99,15 +90,14 @@ def run(ctx: Context) -> FigureResult:
     median = {way: statistics.median(values) for way, values in times.items()}
     total_mb = file_count * file_bytes / 1e6
     rows = [
-        Row(f"save (moved into place) / upload of the same bytes ({file_count} files, {total_mb:.0f} MB)",
-            statistics.median(ratio["moved"]),
-            notes=f"moved {median['moved']:.2f} s, upload {median['upload']:.2f} s, median of {rounds}: the move is "
-                  f"a server-side copy of every object, by rank 0",
-            spread=(min(ratio["moved"]), max(ratio["moved"]))),
-        Row(f"a save written in place, the manifest last (not the commit used) / the upload ({file_count} files, "
+        Row(f"save (its own folder, committed by the manifest) / upload of the same bytes ({file_count} files, "
             f"{total_mb:.0f} MB)", statistics.median(ratio["in_place"]),
-            notes=f"in place {median['in_place']:.2f} s: the bound for a layout with a folder per save",
+            notes=f"in place {median['in_place']:.2f} s, upload {median['upload']:.2f} s, median of {rounds}",
             spread=(min(ratio["in_place"]), max(ratio["in_place"]))),
+        Row(f"the previous release's save, moved into place / the upload ({file_count} files, {total_mb:.0f} MB)",
+            statistics.median(ratio["moved"]),
+            notes=f"moved {median['moved']:.2f} s: the move is a server-side copy of every object, by rank 0",
+            spread=(min(ratio["moved"]), max(ratio["moved"]))),
     ]
     details = {"seconds": times, "files": file_count, "bytes_per_file": file_bytes,
                "load_average": [load_before, load_average()]}

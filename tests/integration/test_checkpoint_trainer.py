@@ -21,6 +21,7 @@ from tests.support.checkpoint_reading import assert_same_tensors, every_file_und
 from tests.support.mounts import mount_tmpfs
 from trainer.checkpoint import TrainingState, open_storage, verify
 from trainer.checkpoint.manager import save_state
+from trainer.checkpoint.storage import step_of
 from trainer.errors import EXIT_USAGE
 from trainer.main import main
 from trainer.models import build_model
@@ -185,12 +186,13 @@ def test_an_fsspec_checkpoint_url_keeps_the_last_k_and_resumes_exactly(scheme, r
     location = f"memory://ckpt-{uuid.uuid4().hex}" if scheme == "memory" else f"file://{tmp_path}/checkpoints"
     args = [*COMMON, "--output-dir", str(tmp_path), "--checkpoint-dir", location, "--keep-last", "2"]
     assert main([*args, "--max-steps", "6"]) == 0
-    assert open_storage(location).list_checkpoints() == ["step-00000006", "step-00000004"]
+    stopped = open_storage(location).list_checkpoints()
+    assert [step_of(name) for name in stopped] == [6, 4]  # memory://: each save's own folder, step-N.<save>
     assert main(args) == 0
-    assert summary(tmp_path)["resumed_from"] == f"{location}/step-00000006"
+    assert summary(tmp_path)["resumed_from"] == f"{location}/{stopped[0]}"
     storage = open_storage(location)
-    assert storage.list_checkpoints() == ["step-00000016", "step-00000014"]
-    state = verify(storage, "step-00000016").state.to_dict()
+    assert [step_of(name) for name in storage.list_checkpoints()] == [16, 14]
+    state = verify(storage, storage.list_checkpoints()[0]).state.to_dict()
     assert_same_tensors({"model": state["model"], "optimizer": state["optimizer"], "position": state["position"]},
                         final_params(reference))
 
@@ -254,8 +256,10 @@ def test_a_checkpoint_url_s_credentials_reach_no_output_line_nor_file(location, 
     location = location.format(id=uuid.uuid4().hex[:8])
     args = [*COMMON, "--output-dir", str(tmp_path), "--checkpoint-dir", location]
     assert main([*args, "--max-steps", "4"]) == 0
+    [stopped] = open_storage(location).list_checkpoints()
     assert main(args) == 0
-    assert summary(tmp_path)["resumed_from"] == location.replace("SECRET1", "***") + "/step-00000004"
+    assert step_of(stopped) == 4
+    assert summary(tmp_path)["resumed_from"] == f"{location.replace('SECRET1', '***')}/{stopped}"
     printed = capfd.readouterr()
     assert "resumed from memory://" in printed.err and "SECRET1" not in printed.out + printed.err
     assert [path for path, content in every_file_under(tmp_path).items() if b"SECRET1" in content] == []

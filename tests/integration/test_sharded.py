@@ -33,6 +33,7 @@ from tests.support.checkpoint_reading import (
 from tests.support.older_formats import with_whole_item_checksums, write_format_4
 from tests.support.sample_logs import global_order
 from trainer.checkpoint import open_storage, verify
+from trainer.checkpoint.storage import step_of
 from trainer.errors import EXIT_PREEMPTED
 from trainer.sampler import ResumableDistributedSampler
 
@@ -453,7 +454,8 @@ def test_fsdp_under_plain_rank_variables_checkpoints_to_an_object_store_and_resh
     resumed = run([sys.executable, "-m", "trainer", *ARGS, "--batch-size", "24", "--sync", "fsdp", "--checkpoint-dir",
                    location, "--output-dir", str(tmp_path)], env=s3_env.env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert summary(tmp_path)["resumed_from"] == f"{location}/step-00000002"
+    [saved] = open_storage(location).list_checkpoints()  # the bucket's folder of that save: step-2.<save>
+    assert step_of(saved) == 2 and summary(tmp_path)["resumed_from"] == f"{location}/{saved}"
     order = global_order(tmp_path, 2, 0, 2) + global_order(tmp_path, 1, 2, 10**9)
     assert order == ResumableDistributedSampler(range(SIZE), 1, 0, seed=7).epoch_order()
 

@@ -13,6 +13,7 @@ import s3fs
 from devtools.processes import env_ranks
 from trainer.checkpoint import open_storage, verify
 from trainer.checkpoint.manager import InvalidCheckpoint, UnknownFormat
+from trainer.checkpoint.storage import step_of
 from trainer.errors import EXIT_PEER_LOST
 
 TIMEOUT_S = 4
@@ -66,7 +67,7 @@ def test_a_write_to_storage_that_stops_answering_ends_every_rank_retryably_and_t
     # The retry: the newest complete checkpoint is intact, and it is where the next attempt starts.
     storage = open_storage(location)
     newest = next(name for name in storage.list_checkpoints() if _valid(storage, name))
-    step = int(newest.removeprefix("step-"))
+    step = step_of(newest)
     retry = env_ranks([*ARGS, "--epochs", "10000", "--max-steps", str(step + 1), "--checkpoint-dir", location,
                        "--output-dir", str(tmp_path / "retry")], world_size=2, env=s3_env.env, timeout_s=240)
     assert [result.returncode for result in retry] == [0, 0], retry[0].stderr[-3000:]

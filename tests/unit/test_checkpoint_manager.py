@@ -21,7 +21,7 @@ from tests.support.checkpoint_damage import break_checkpoint, checkpoint_bytes
 from tests.support.checkpoint_reading import state_at, whole
 from trainer.checkpoint import CheckpointManager, Monitor, open_storage, verify
 from trainer.checkpoint.manager import RELEASE_AFTER_STALL_S, InvalidCheckpoint
-from trainer.checkpoint.storage import LocalStorage
+from trainer.checkpoint.storage import LocalStorage, step_of
 from trainer.config import CheckpointConfig, DistConfig
 from trainer.distributed import Runtime, destroy_process_group, init_process_group
 from trainer.errors import EXIT_PEER_LOST, CheckpointError, StorageStalled
@@ -191,30 +191,79 @@ def test_saving_a_step_that_exists_replaces_it(manager_for, tmp_path):
     assert torch.equal(verify(open_storage(str(tmp_path)), "step-00000004").state.model["weight"], torch.ones(2))
 
 
-@pytest.mark.parametrize("crash_at_move", [0, 1, 2, 3])
-def test_on_an_object_store_a_checkpoint_being_replaced_survives_a_crash_at_any_move(crash_at_move, manager_for,
-                                                                                      monkeypatch):
-    """Object stores move a folder one object at a time (two moves aside, two in for this checkpoint): a
-    crash at any of them leaves the old checkpoint of that step, whole, once the next run has started."""
+def steps(location: str) -> list[int]:
+    return [step_of(name) or 0 for name in names(location)]
+
+
+@pytest.mark.parametrize("crash_at", [None, "state.pt", "manifest.json", "removal"])
+def test_on_an_object_store_each_save_is_a_folder_of_its_own_committed_by_its_manifest_never_moved(
+        crash_at, manager_for, monkeypatch):
+    """A save of a step that has a checkpoint writes beside it, in its own folder, and nothing is moved (a move on
+    S3 copies every object): the new manifest commits it, then the old one is removed. A crash at any file's upload
+    leaves the old checkpoint whole and the next run's start removes the uncommitted folder; one at the old one's
+    removal leaves both, the later read first and the older removed by the next save."""
     location = f"memory://ckpt-{uuid.uuid4().hex}"
     save_steps(manager_for(location), [4])
+    [old] = names(location)
     fs, root = fsspec.core.url_to_fs(location)
-    moves, move = [], type(fs).mv
+    monkeypatch.setattr(type(fs), "mv", lambda *args, **kwargs: pytest.fail(f"a save moved {args[1:]}"))
+    opened, removed = type(fs).open, type(fs).rm
 
-    def crashing_move(self: object, *args: object, **kwargs: object) -> None:
-        moves.append(args)
-        if len(moves) > crash_at_move:
+    def crashing_open(self: object, path: str, mode: str = "rb", **kwargs: object) -> object:
+        if path.endswith(f"/{crash_at}") and "w" in mode:
             raise OSError(5, "Input/output error")
-        move(self, *args, **kwargs)
+        return opened(self, path, mode, **kwargs)
 
-    monkeypatch.setattr(type(fs), "mv", crashing_move)
-    with pytest.raises(CheckpointError, match="could not write checkpoint"):
-        manager_for(location).save(state_at(4, torch.ones(2)))
-    monkeypatch.setattr(type(fs), "mv", move)
-    manager_for(location)  # the next run's start cleans up, putting the old checkpoint back
-    assert torch.equal(verify(open_storage(location), "step-00000004").state.model["weight"],
-                       state_at(4).model["weight"])
-    assert not [path for path in fs.ls(root, detail=False) if "/.tmp-" in path]
+    def crashing_remove(self: object, path: str, *args: object, **kwargs: object) -> object:
+        if old in path:
+            raise OSError(5, "Input/output error")
+        return removed(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(type(fs), "open", crashing_open)
+    if crash_at == "removal":
+        monkeypatch.setattr(type(fs), "rm", crashing_remove)
+    manager = manager_for(location, keep_last=3)
+    if crash_at in (None, "removal"):
+        manager.save(state_at(4, torch.ones(2)))
+        [new] = [name for name in names(location) if name != old]
+        assert new.startswith("step-00000004.") and manager.last_committed == new
+        assert names(location) == ([new, old] if crash_at else [new])
+        monkeypatch.setattr(type(fs), "rm", removed)
+        resumed = manager_for(location, keep_last=3)  # the next run
+        loaded = resumed.load("latest")
+        assert loaded is not None and loaded.location.endswith(new)
+        assert torch.equal(whole(loaded)["model"]["weight"], torch.ones(2))
+        resumed.save(state_at(5))
+        assert names(location)[1:] == [new]  # keep_last 3: the earlier save of step 4 is no fallback
+        return
+    with pytest.raises(CheckpointError, match=r"could not write checkpoint memory://ckpt-\w+/step-00000004: "):
+        manager.save(state_at(4, torch.ones(2)))
+    monkeypatch.setattr(type(fs), "open", opened)
+    assert names(location) == [old]
+    manager_for(location)  # the next run's start removes what an uncommitted save left
+    assert [path.rsplit("/", 1)[-1] for path in fs.ls(root, detail=False)] == [".lease", old]
+    assert torch.equal(verify(open_storage(location), old).state.model["weight"], state_at(4).model["weight"])
+
+
+def test_on_an_object_store_a_late_save_of_the_same_step_never_touches_the_committed_one(manager_for):
+    """A job frozen past its lease (a paused VM) wakes up and goes on saving a step the job that took the folder
+    over has committed: its writes and its clean-up land in its own folder only; the next start removes what it
+    left uncommitted; one it did commit is a checkpoint of its own, never a mix of the two."""
+    location = f"memory://ckpt-{uuid.uuid4().hex}"
+    holder = manager_for(location)
+    save_steps(holder, [4])
+    [committed] = names(location)
+    late = open_storage(location)
+    folder = late.begin("step-00000004")  # started before the freeze, as the holder's own save was
+    late.write_file(folder, "state.pt", lambda handle: handle.write(b"the late job's bytes"))
+    late.abandon(folder)  # its failed save cleans up
+    mid_write = late.begin("step-00000004")
+    late.write_file(mid_write, "state.pt", lambda handle: handle.write(b"the late job's bytes"))
+    assert names(location) == [mid_write, committed]
+    loaded = manager_for(location, take_over_checkpoint_dir=True).load("latest")  # skips the uncommitted one
+    assert loaded is not None and loaded.location.endswith(committed)
+    assert names(location) == [committed] and torch.equal(whole(loaded)["model"]["weight"],
+                                                          state_at(4).model["weight"])
 
 
 # -- retention -----------------------------------------------------------------------------------------------
@@ -258,11 +307,11 @@ def test_broken_later_checkpoints_do_not_count_against_the_good_ones(manager_for
 def test_an_fsspec_url_round_trips_with_retention_and_broken_ones_skipped(scheme, manager_for, tmp_path):
     location = f"memory://ckpt-{uuid.uuid4().hex}" if scheme == "memory" else f"file://{tmp_path}"
     save_steps(manager_for(location, keep_last=2), [1, 2, 3])
-    assert names(location) == ["step-00000003", "step-00000002"]
+    assert steps(location) == [3, 2]
     fs, root = fsspec.core.url_to_fs(location)
-    fs.pipe_file(f"{root}/step-00000003/state.pt", b"not a checkpoint")
+    fs.pipe_file(f"{root}/{names(location)[0]}/state.pt", b"not a checkpoint")
     loaded = manager_for(location).load("latest")
-    assert loaded is not None and loaded.location.endswith("step-00000002")
+    assert loaded is not None and loaded.location.endswith(names(location)[1])
     assert not has_tensors(loaded.state.parts)  # what every rank is sent: each reads the tensors from the file
     assert torch.equal(whole(loaded)["model"]["weight"], state_at(2).model["weight"])
     assert not [path for path in fs.ls(root, detail=False) if "/.tmp-" in path]
@@ -352,11 +401,11 @@ def test_a_write_to_a_store_that_stops_answering_ends_within_the_deadline_as_ret
     assert StorageStalled.exit_code == EXIT_PEER_LOST and 2 <= took < 2 + RELEASE_AFTER_STALL_S + 3, took
     assert f"checkpoint {location}/step-00000002 was not written within 2s (--checkpoint-timeout-s)" in str(
         stalled.value)
-    assert names(location) == ["step-00000001"]
+    assert steps(location) == [1]
     # The server answers again and the given-up write goes on: it must neither commit nor leave a folder behind.
     manager._writer.join(60)
     assert not manager._writer.is_alive()
-    assert names(location) == ["step-00000001"] and open_storage(location).remove_temporaries() == []
+    assert steps(location) == [1] and open_storage(location).remove_temporaries() == []
 
 
 def test_the_checkpoint_sent_to_trackers_is_this_runs_last_and_its_lookup_never_holds_or_fails_the_end(

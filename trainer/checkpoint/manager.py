@@ -424,21 +424,21 @@ class CheckpointManager:
             raise
         # torch.save streams straight into the temporary file (through the checksum): no serialised copy
         # of the whole state in memory, no second pass to hash it.
-        self.storage.commit(temporary or self.storage.begin(name), name,
-                            {STATE_FILE: lambda handle: save_state(state, handle), **(more_files or {})}, shard_files,
-                            make_manifest)
+        committed = self.storage.commit(temporary or self.storage.begin(name), name,
+                                        {STATE_FILE: lambda handle: save_state(state, handle), **(more_files or {})},
+                                        shard_files, make_manifest)
         self.last_timing.write_s = time.perf_counter() - started
         self.last_timing.bytes = sum(int(entry["bytes"]) for entry in written.values())
         sharded = (f" in {len(written)} files from {self.runtime.identity.world_size} rank(s)" if shard_files
                    else "")
-        self.log.info("checkpoint %s written (%.1f MB%s in %.2fs)", self.storage.describe(name),
+        self.log.info("checkpoint %s written (%.1f MB%s in %.2fs)", self.storage.describe(committed),
                       self.last_timing.bytes / 1e6, sharded, self.last_timing.write_s)
-        self.last_committed = name
+        self.last_committed = committed
         reason = self._why_no_longer(name)
         if reason:  # committed by the time it was found: said as it is, and nothing older removed
-            raise CheckpointError(f"checkpoint {self.storage.describe(name)} was committed, but the older ones were "
-                                  f"not pruned: {reason}")
-        self._prune(written=name)
+            raise CheckpointError(f"checkpoint {self.storage.describe(committed)} was committed, but the older ones "
+                                  f"were not pruned: {reason}")
+        self._prune(written=committed)
 
     def _why_no_longer(self, name: str) -> str | None:
         """Why this write may no longer commit or prune, or None. A write that outlasted --checkpoint-timeout-s was
@@ -459,14 +459,19 @@ class CheckpointManager:
 
         Folders of later steps are left alone: they are either broken ones this run skipped when
         resuming (each is replaced when training reaches its step) or another history the user chose
-        to leave with --resume PATH; counting them would delete this run's good fallbacks.
+        to leave with --resume PATH; counting them would delete this run's good fallbacks. An object store's
+        saves each have a folder of their own: other folders of the written step are replaced by it, and of two
+        committed ones of an older step (a crash came between a save and this removal) the later save is kept.
         """
         self._check_lease()  # never prune another job's checkpoints
         current = step_of(written) or 0
         older = [name for name in self.storage.list_checkpoints() if (step_of(name) or 0) <= current]
+        replaced = {name for name in older if step_of(name) == current and name != written}
         committed: list[tuple[str, dict[str, Any]]] = []
         unsure: set[str] = set()
         for name in older:
+            if name in replaced:
+                continue
             try:
                 manifest = json.loads(self.storage.read(name, MANIFEST))
             except (FileNotFoundError, ValueError):
@@ -474,8 +479,11 @@ class CheckpointManager:
             except OSError:
                 unsure.add(name)  # the storage did not answer (throttled, timed out): left for the next save
                 continue
+            if any(step_of(name) == step_of(later) for later, _ in committed):  # newest first: a later save is kept
+                replaced.add(name)
+                continue
             committed.append((name, manifest if isinstance(manifest, dict) else {}))
-        kept = {name for name, _ in committed[: self.config.keep_last]} | {written} | unsure
+        kept = ({name for name, _ in committed[: self.config.keep_last]} | {written} | unsure) - replaced
         if self.config.keep_best and self.monitor is not None:
             best = _best(committed, self.monitor)
             if best is not None:

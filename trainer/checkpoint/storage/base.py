@@ -5,6 +5,10 @@ A checkpoint is a folder ``step-00000123`` holding ``state.pt`` and ``manifest.j
 written under a temporary name, every file streamed through a checksum and fsynced, the manifest
 (with sizes and checksums) last, then renamed into place. Readers ignore temporaries and anything
 without a valid manifest.
+
+Where a folder cannot be renamed at once (an object store moves it object by object), each save writes a
+folder of its own, ``step-00000123.<save>``, and its manifest, written last, is the commit: no two saves ever
+share an object name, so one save can neither write into nor remove another's (``commits_in_place``).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import contextlib
 import errno
 import os
 import re
+import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -21,7 +26,9 @@ from typing import IO, Any
 from trainer.checkpoint.storage.checksum import ChecksumWriter
 from trainer.errors import CheckpointError
 
-CHECKPOINT_NAME = re.compile(r"^step-(\d{8,})$")
+# ``step-<step>``, or ``step-<step>.<save>`` for a save committed in place: <save> is the save's start in
+# nanoseconds since the epoch (16 hex digits) then 8 random ones, so that the later save of a step sorts first.
+CHECKPOINT_NAME = re.compile(r"^step-(\d{8,})(?:\.([0-9a-f]{24}))?$")
 TEMP_PREFIX = ".tmp-"
 REPLACED_PREFIX = f"{TEMP_PREFIX}replaced-"
 MANIFEST = "manifest.json"
@@ -40,6 +47,19 @@ def step_of(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def newest_first(name: str) -> tuple[int, str]:
+    """The sort key of checkpoint names, for ``reverse=True``: by step, then (a step saved twice in place) by the
+    save's start."""
+    match = CHECKPOINT_NAME.match(name)
+    return (int(match.group(1)), match.group(2) or "") if match else (-1, "")
+
+
+def saved_in_place(name: str) -> bool:
+    """Whether ``name`` is a folder of its own for one save (``step-N.<save>``), committed by its manifest alone."""
+    match = CHECKPOINT_NAME.match(name)
+    return bool(match and match.group(2))
+
+
 
 class NotAFile(ValueError):
     """A checkpoint's file that is a link, a FIFO or a device: never read (it could block, or lead elsewhere)."""
@@ -51,6 +71,10 @@ def _no_follow(path: str, flags: int) -> int:
 
 class CheckpointStorage(ABC):
     """The seam between the checkpoint logic and a file system."""
+
+    # Whether a save writes straight into a folder of its own (``step-N.<save>``) and its manifest is the commit,
+    # rather than into a temporary folder renamed into place: where a rename is no atomic operation.
+    commits_in_place = False
 
     def __init__(self, location: str) -> None:
         self.location = location
@@ -72,16 +96,18 @@ class CheckpointStorage(ABC):
     def list_checkpoints(self) -> list[str]:
         """Checkpoint folder names, newest step first (validity is the manager's business)."""
         names = [name for name in self._list() if step_of(name) is not None]
-        return sorted(names, key=lambda name: step_of(name) or 0, reverse=True)
+        return sorted(names, key=newest_first, reverse=True)
 
-    def write(self, name: str, files: dict[str, FileWriter], make_manifest: ManifestMaker) -> None:
-        """Stream the files, then the manifest describing them, then make the folder appear under ``name``."""
-        self.commit(self.begin(name), name, files, {}, make_manifest)
+    def write(self, name: str, files: dict[str, FileWriter], make_manifest: ManifestMaker) -> str:
+        """Stream the files, then the manifest describing them, then make the folder appear under ``name``; the
+        committed folder's name (``commit``)."""
+        return self.commit(self.begin(name), name, files, {}, make_manifest)
 
     def begin(self, name: str) -> str:
-        """A new temporary folder for checkpoint ``name``, which several processes may write files into
-        (``write_file``) before one of them commits it."""
-        temporary = f"{TEMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
+        """A new folder for checkpoint ``name``, which several processes may write files into (``write_file``)
+        before one of them commits it: a temporary one, or under ``commits_in_place`` the save's own."""
+        temporary = (f"{name}.{time.time_ns():016x}{uuid.uuid4().hex[:8]}" if self.commits_in_place
+                     else f"{TEMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}")
         try:
             self._make_folder(temporary)
         except OSError as error:
@@ -100,9 +126,10 @@ class CheckpointStorage(ABC):
         return checksummed.summary()
 
     def commit(self, temporary: str, name: str, files: dict[str, FileWriter], written: dict[str, dict[str, Any]],
-               make_manifest: ManifestMaker) -> None:
+               make_manifest: ManifestMaker) -> str:
         """Write the remaining files, then the manifest describing them and the ``written`` ones, then make the
-        folder appear under ``name``; on failure the temporary folder is removed and the older ones stay."""
+        folder appear under ``name``; on failure the temporary folder is removed and the older ones stay. The
+        committed folder's name: ``name``, or under ``commits_in_place`` the folder ``begin`` made."""
         try:
             described = dict(written)
             for filename, write_content in files.items():
@@ -112,7 +139,10 @@ class CheckpointStorage(ABC):
             manifest = make_manifest(described)
             with self._create(temporary, MANIFEST) as handle:
                 handle.write(manifest)
+            if self.commits_in_place:
+                return temporary
             self._commit(temporary, name)
+            return name
         except OSError as error:
             self.abandon(temporary)
             raise self._failure(name, error) from None
@@ -130,9 +160,11 @@ class CheckpointStorage(ABC):
 
     def remove_temporaries(self) -> list[str]:
         """Delete folders left by saves that crashed; they never held a usable checkpoint, except a
-        checkpoint moved aside to be replaced when the crash came before its replacement was in place."""
-        stale = [name for name in self._list() if name.startswith(TEMP_PREFIX)]
+        checkpoint moved aside to be replaced when the crash came before its replacement was in place. Called by
+        the lease's holder only: a save's own folder without its manifest is one that will never commit."""
         present = set(self._list())
+        stale = sorted(name for name in present if name.startswith(TEMP_PREFIX))
+        stale += sorted(name for name in present if saved_in_place(name) and not self.exists(name, MANIFEST))
         for name in stale:
             original = _replaced_name(name)
             if original is not None and (original not in present or not self.exists(original, MANIFEST)):

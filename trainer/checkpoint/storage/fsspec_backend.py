@@ -1,4 +1,5 @@
-"""Checkpoints at any fsspec URL (s3://, gs://, memory://): the manifest, written last, commits one."""
+"""Checkpoints at any fsspec URL (s3://, gs://, memory://): the manifest, written last into a save's own folder,
+commits one."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import uuid
 from importlib import metadata
 from typing import IO
 
-from trainer.checkpoint.storage.base import MANIFEST, REPLACED_PREFIX, TEMP_PREFIX, CheckpointStorage, NotAFile
+from trainer.checkpoint.storage.base import MANIFEST, TEMP_PREFIX, CheckpointStorage, NotAFile
 from trainer.errors import CheckpointError
 from trainer.redact import redact
 
@@ -19,8 +20,11 @@ EXCLUSIVE_CREATE_SINCE = {"s3fs": "2024.12.0"}
 
 
 class FsspecStorage(CheckpointStorage):
-    """Object stores have no atomic folder rename: the manifest, moved last and checked against the
-    files' sizes and checksums, is what commits a checkpoint there."""
+    """Object stores have no atomic folder rename: each save writes a folder of its own (``step-N.<save>``), and
+    its manifest, written last and checked against the files' sizes and checksums, is what commits it there. Nothing
+    is moved: a move on S3 is a server-side copy of every object."""
+
+    commits_in_place = True
 
     @classmethod
     def handles(cls, location: str) -> bool:
@@ -59,23 +63,16 @@ class FsspecStorage(CheckpointStorage):
         return self.fs.open(self._path(name, filename), "wb")  # an upload is complete once closed
 
     def _commit(self, temporary: str, name: str) -> None:
-        if not self.fs.exists(self._path(name)):
-            self._rename(temporary, name)
-            return
-        # A checkpoint of this step is there. It stays whole somewhere until the new one is in place: moved
-        # aside with its manifest first (the folder under its name is at once no checkpoint), then the new
-        # one moved in with its manifest last. A crash in between leaves remove_temporaries() what it needs
-        # to put the old one back (_put_back).
-        aside = f"{REPLACED_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
-        self._rename(name, aside, manifest_last=False)
+        # Never reached while commits_in_place: the manifest, written last into the save's own folder, commits
+        # it. A subclass that turns that off (figure 14 measures the previous release's move) moves the folder,
+        # manifest last, to a name no checkpoint has: a move is a copy per object, never atomic.
+        if self.fs.exists(self._path(name)):
+            raise FileExistsError(17, "a checkpoint of this step is there already", name)
         self._rename(temporary, name)
-        self._remove_quietly(aside)
 
-    def _rename(self, name: str, new_name: str, manifest_last: bool = True) -> None:
+    def _rename(self, name: str, new_name: str) -> None:
         # A move is a copy per object. Manifest last: a half-moved folder is no checkpoint at its new name.
-        # Manifest first: none at its old name either.
-        paths = sorted(self.fs.ls(self._path(name), detail=False),
-                       key=lambda path: path.endswith(f"/{MANIFEST}") == manifest_last)
+        paths = sorted(self.fs.ls(self._path(name), detail=False), key=lambda path: path.endswith(f"/{MANIFEST}"))
         self.fs.makedirs(self._path(new_name), exist_ok=True)  # file systems with folders do not make them in mv
         for path in paths:
             self.fs.mv(path, self._path(new_name, path.rsplit("/", 1)[-1]))
@@ -83,6 +80,7 @@ class FsspecStorage(CheckpointStorage):
             self.fs.rm(self._path(name), recursive=True)
 
     def _put_back(self, aside: str, original: str) -> None:
+        # A leftover of releases that moved a save into place (replacing a step's checkpoint moved it aside first).
         # What is left under the original name is the rest of the old checkpoint (the crash came while it
         # was moved aside) or part of the new one (while that was moved in, the old one whole aside): the
         # old files moved back over it, the manifest last, make the old checkpoint whole either way.
