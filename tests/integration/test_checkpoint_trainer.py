@@ -256,7 +256,7 @@ def test_a_checkpoint_url_s_credentials_reach_no_output_line_nor_file(location, 
     location = location.format(id=uuid.uuid4().hex[:8])
     args = [*COMMON, "--output-dir", str(tmp_path), "--checkpoint-dir", location]
     assert main([*args, "--max-steps", "4"]) == 0
-    [stopped] = open_storage(location).list_checkpoints()
+    stopped = open_storage(location).list_checkpoints()[0]
     assert main(args) == 0
     assert step_of(stopped) == 4
     assert summary(tmp_path)["resumed_from"] == f"{location.replace('SECRET1', '***')}/{stopped}"
