@@ -8,9 +8,11 @@ import contextlib
 import os
 import signal
 import subprocess
+import tempfile
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from devtools.processes import BIN_DIR, REPO_ROOT, clean_env, free_port, kill_session, wait_until_answers
 
@@ -19,6 +21,11 @@ from devtools.processes import BIN_DIR, REPO_ROOT, clean_env, free_port, kill_se
 class S3Server:
     process: subprocess.Popen[bytes]
     endpoint: str
+    log: Path  # the server's request log: one line per request it answered
+
+    def gets(self, key: str) -> int:
+        """How many GET requests (a whole object or a range of it) the server answered for ``bucket/key``."""
+        return sum(f"GET /{key} HTTP/" in line for line in self.log.read_text(errors="replace").splitlines())
 
     @property
     def env(self) -> dict[str, str]:
@@ -49,15 +56,19 @@ class S3Server:
 @contextlib.contextmanager
 def s3_server(timeout_s: float = 60) -> Iterator[S3Server]:
     port = free_port()
-    process = subprocess.Popen([str(BIN_DIR / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], env=clean_env(),
-                               cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True)
+    folder = tempfile.TemporaryDirectory(prefix="s3-server-")
+    log = Path(folder.name) / "requests.log"
+    with open(log, "wb") as written:  # the server's own handle: the log is read while it runs
+        process = subprocess.Popen([str(BIN_DIR / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                                   env=clean_env(), cwd=REPO_ROOT, stdout=written, stderr=written,
+                                   start_new_session=True)
     endpoint = f"http://127.0.0.1:{port}"
     try:
         wait_until_answers(process, f"{endpoint}/moto-api/", "moto_server", timeout_s)
-        yield S3Server(process, endpoint)
+        yield S3Server(process, endpoint, log)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(process.pid, signal.SIGCONT)
         kill_session(process)
         process.wait(timeout=30)
+        folder.cleanup()

@@ -68,10 +68,14 @@ def test_a_write_to_storage_that_stops_answering_ends_every_rank_retryably_and_t
     storage = open_storage(location)
     newest = next(name for name in storage.list_checkpoints() if _valid(storage, name))
     step = step_of(newest)
+    state_file = f"{location.removeprefix('s3://')}/{newest}/state.pt"
+    downloads_before = s3_env.gets(state_file)
     retry = env_ranks([*ARGS, "--epochs", "10000", "--max-steps", str(step + 1), "--checkpoint-dir", location,
                        "--output-dir", str(tmp_path / "retry")], world_size=2, env=s3_env.env, timeout_s=240)
     assert [result.returncode for result in retry] == [0, 0], retry[0].stderr[-3000:]
     assert f"resumed from {location}/{newest}" in retry[0].stderr, retry[0].stderr[-3000:]
+    # Rank 0 downloads the state file to check it; then the node's two ranks map one copy, downloaded once.
+    assert s3_env.gets(state_file) - downloads_before == 2
 
 
 def _valid(storage, name: str) -> bool:  # noqa: ANN001 - a CheckpointStorage

@@ -63,7 +63,14 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.distributed.tensor import DTensor
 
 from trainer.checkpoint import dcp_items
-from trainer.checkpoint.reading import DCP_METADATA, InvalidCheckpoint, checked_read, is_plain_name, load_failure
+from trainer.checkpoint.reading import (
+    DCP_METADATA,
+    InvalidCheckpoint,
+    agree,
+    checked_read,
+    is_plain_name,
+    load_failure,
+)
 from trainer.checkpoint.shards import MARK, marker_for, replace_tensors
 from trainer.checkpoint.storage import CheckpointStorage, crc32_hex
 from trainer.sharding import local_rows
@@ -405,17 +412,6 @@ def _check_chunks(key: str, value: TensorStorageMetadata, storage_data: dict[Any
             if all(min(a + n, b + m) > max(a, b) for a, n, b, m in zip(offsets, sizes, other, other_sizes,
                                                                        strict=True)) and math.prod(sizes):
                 raise InvalidCheckpoint(f"{DCP_METADATA}: chunks of {key} overlap")
-
-
-def agree(group: Any, error: str | None) -> None:
-    """Every rank's outcome of what it read alone before a collective DCP read: the first failure raised on every
-    rank (a rank that quit before the collective would leave the others waiting in it until its timeout)."""
-    if dist.is_initialized() and group is not None:
-        everyone: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, error, group=group)
-        error = next((line for line in everyone if line), None)
-    if error:
-        raise InvalidCheckpoint(error)
 
 
 def folder_metadata(storage: CheckpointStorage, folder: str, manifest: dict[str, Any] | None) -> Metadata:

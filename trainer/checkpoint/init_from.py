@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from trainer.checkpoint.dcp_files import DcpSource, agree, folder_metadata
-from trainer.checkpoint.reading import DCP_METADATA, InvalidCheckpoint, UnknownFormat, read_manifest
+from trainer.checkpoint.dcp_files import DcpSource, folder_metadata
+from trainer.checkpoint.reading import DCP_METADATA, InvalidCheckpoint, UnknownFormat, agree, read_manifest
 from trainer.checkpoint.shards import fit, marker_for
 from trainer.checkpoint.storage import MANIFEST, open_storage
 from trainer.errors import CheckpointError

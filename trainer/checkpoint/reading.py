@@ -9,6 +9,8 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
+
 from trainer.checkpoint.schema import READABLE
 from trainer.checkpoint.storage import MANIFEST, CheckpointStorage, NotAFile, crc32_hex
 
@@ -141,3 +143,15 @@ def load_failure(error: Exception) -> str:
         text = text.split("WeightsUnpickler error:", 1)[1]
     first = (text.strip().splitlines() or [type(error).__name__])[0]
     return first.split(". ", 1)[0].rstrip(".")[:300]
+
+
+def agree(group: Any, error: str | None) -> None:
+    """Every rank's outcome of what it read alone before a collective read (DCP's, or the next step of a resume):
+    the first failure raised on every rank (a rank that quit alone would leave the others waiting in a collective
+    until its timeout). ``group`` None: this rank alone."""
+    if dist.is_initialized() and group is not None:
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, error, group=group)
+        error = next((line for line in everyone if line), None)
+    if error:
+        raise InvalidCheckpoint(error)

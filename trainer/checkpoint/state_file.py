@@ -3,7 +3,8 @@ parts of a sharded one. Written by ``torch.save`` (trainer.checkpoint.manager), 
 
 Read without holding it whole: a local file is checked in pieces and mapped into memory (``mmap``: its pages are
 read when touched, shared between the processes of a node, and given back under pressure); an object store's is
-downloaded in pieces, through its checksum, to a temporary file that is mapped the same way.
+downloaded in pieces, through its checksum, to a temporary file that is mapped the same way: for a resume, one file
+per node, downloaded by the first rank of the node to ask (trainer.checkpoint.node_copy).
 
 A resume does not send the state from rank 0 to the others: rank 0 checks the file and sends the state with each
 tensor replaced by a marker (``without_tensors``); every rank then maps the file itself and copies out only what it
@@ -16,11 +17,20 @@ import contextlib
 import os
 import tempfile
 from collections.abc import Iterator
-from typing import Any
+from typing import IO, Any
 
 import torch
 
-from trainer.checkpoint.reading import STATE_FILE, InvalidCheckpoint, check_size, checked_pieces, expected, load_failure
+from trainer.checkpoint import node_copy
+from trainer.checkpoint.reading import (
+    STATE_FILE,
+    InvalidCheckpoint,
+    agree,
+    check_size,
+    checked_pieces,
+    expected,
+    load_failure,
+)
 from trainer.checkpoint.schema import SchemaError, TrainingState
 from trainer.checkpoint.shards import MARK, marker_for, replace_tensors
 from trainer.checkpoint.storage import CheckpointStorage
@@ -30,10 +40,12 @@ __all__ = ["StateFileSource", "load_state_file", "without_tensors"]
 
 
 def load_state_file(storage: CheckpointStorage, name: str, manifest: dict[str, Any], version: int,
-                    checksum: bool = True) -> TrainingState:
+                    checksum: bool = True, node_copies: list[str] | None = None) -> TrainingState:
     """The checkpoint's state file as a TrainingState (its tensors mapped from a local file). ``checksum``: False
-    where another rank checked the same file already (only its size is then checked)."""
-    with _mappable(storage, name, manifest, checksum) as path:
+    where another rank checked the same file already (only its size is then checked). ``node_copies``: where an
+    object store's file is downloaded once per node, kept for the node's other ranks; its path is added there, for
+    the caller to release once every rank has mapped it."""
+    with _mappable(storage, name, manifest, checksum, node_copies) as path:
         try:
             # weights_only: a checkpoint on shared storage must not be able to run code when loaded.
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -49,10 +61,11 @@ def load_state_file(storage: CheckpointStorage, name: str, manifest: dict[str, A
 
 
 @contextlib.contextmanager
-def _mappable(storage: CheckpointStorage, name: str, manifest: dict[str, Any], checksum: bool) -> Iterator[str]:
+def _mappable(storage: CheckpointStorage, name: str, manifest: dict[str, Any], checksum: bool,
+              node_copies: list[str] | None) -> Iterator[str]:
     """A local path of the state file, checked: the file itself on a local or mounted file system; from an object
     store, a temporary copy downloaded in pieces through the checksum (never the whole file in memory), removed
-    once mapped (the mapping keeps it readable)."""
+    once mapped (the mapping keeps it readable), or with ``node_copies`` the node's copy."""
     local = storage.local_path(name, STATE_FILE)
     if local is not None:
         if checksum:
@@ -61,20 +74,35 @@ def _mappable(storage: CheckpointStorage, name: str, manifest: dict[str, Any], c
             check_size(storage, name, STATE_FILE, expected(manifest, STATE_FILE)[0])
         yield local
         return
-    check_size(storage, name, STATE_FILE, expected(manifest, STATE_FILE)[0])
+    size, crc = expected(manifest, STATE_FILE)
+    check_size(storage, name, STATE_FILE, size)
+
+    def download(copy: IO[bytes]) -> None:
+        def keep(piece: bytes) -> None:
+            try:
+                copy.write(piece)
+            except OSError as error:  # this machine's disk, not the checkpoint: never a reason to skip it
+                raise _no_local_copy(error) from None
+
+        checked_pieces(storage, name, STATE_FILE, manifest, keep)
+
+    if node_copies is not None:
+        try:
+            shared = node_copy.fetch(node_copy.copy_key(storage.location, name, STATE_FILE, str(size), crc), size,
+                                     download)
+        except OSError as error:
+            raise _no_local_copy(error) from None
+        if shared is not None:
+            node_copies.append(shared[0])
+            yield shared[0]
+            return
     try:
         descriptor, path = tempfile.mkstemp(prefix="ddp-deploy-state-", suffix=".pt")
     except OSError as error:
         raise _no_local_copy(error) from None
     try:
         with os.fdopen(descriptor, "wb") as copy:
-            def keep(piece: bytes) -> None:
-                try:
-                    copy.write(piece)
-                except OSError as error:  # this machine's disk, not the checkpoint: never a reason to skip it
-                    raise _no_local_copy(error) from None
-
-            checked_pieces(storage, name, STATE_FILE, manifest, keep)
+            download(copy)
         yield path
     finally:
         with contextlib.suppress(OSError):
@@ -106,20 +134,38 @@ class StateFileSource:
     in pieces and maps it, and copies out what it is asked for, its rows or a whole tensor. Copies, never views
     of the mapping: a file on a network file system may be removed (pruned) while this run still trains."""
 
-    def __init__(self, storage: CheckpointStorage, name: str, manifest: dict[str, Any], version: int) -> None:
+    def __init__(self, storage: CheckpointStorage, name: str, manifest: dict[str, Any], version: int,
+                 group: Any = None) -> None:
         self.storage, self.name, self.manifest, self.version = storage, name, manifest, version
+        self.group = group  # every rank's: an object store's file is downloaded once per node (prepare)
         self._parts: dict[str, Any] | None = None
 
     def prepare(self, wanted: Any) -> None:
-        if self._parts is None:
-            # Checked again here, by every rank: a rank whose --checkpoint-dir is another folder (a node's own disk,
-            # a stale network mount) would otherwise train from other values than rank 0 checked.
-            try:
-                self._parts = load_state_file(self.storage, self.name, self.manifest, self.version).parts
-            except InvalidCheckpoint as problem:
-                raise InvalidCheckpoint(f"{problem} as this rank reads it, and rank 0 found it whole: every rank "
-                                        f"reads the checkpoint itself, so --checkpoint-dir must be one folder that "
-                                        f"every node reaches") from None
+        """Map the file, on every rank at once (a collective over ``group``): a node's ranks share one download of
+        an object store's file, removed once every rank has it mapped."""
+        if self._parts is not None:
+            return
+        copies: list[str] = []
+        error = None
+        try:
+            self._parts = self._load(copies)
+        except (InvalidCheckpoint, CheckpointError) as problem:
+            error = str(problem)
+        try:
+            agree(self.group, error)  # a rank that failed alone fails every rank, never leaving them waiting
+        finally:
+            for path in copies:
+                node_copy.release(path)
+
+    def _load(self, node_copies: list[str] | None) -> dict[str, Any]:
+        # Checked again here, by every rank: a rank whose --checkpoint-dir is another folder (a node's own disk,
+        # a stale network mount) would otherwise train from other values than rank 0 checked.
+        try:
+            return load_state_file(self.storage, self.name, self.manifest, self.version, node_copies=node_copies).parts
+        except InvalidCheckpoint as problem:
+            raise InvalidCheckpoint(f"{problem} as this rank reads it, and rank 0 found it whole: every rank "
+                                    f"reads the checkpoint itself, so --checkpoint-dir must be one folder that "
+                                    f"every node reaches") from None
 
     def rows(self, marker: dict[str, Any], first: int, count: int) -> torch.Tensor:
         return self._at(marker)[first:first + count].clone()
@@ -128,7 +174,8 @@ class StateFileSource:
         return self._at(marker).clone()
 
     def _at(self, marker: dict[str, Any]) -> torch.Tensor:
-        self.prepare(None)
+        if self._parts is None:  # not prepared (one process reading alone): a copy of its own, no collective
+            self._parts = self._load(None)
         value: Any = self._parts
         for key in marker[MARK]:
             value = value[key]

@@ -46,7 +46,7 @@ class LoadedCheckpoint:
         if self.manifest.get("format") == DCP_FORMAT:
             return dcp_files.DcpSource(storage, name, self.manifest, group, allocate)
         if self.tensors_in_state_file:
-            return StateFileSource(storage, name, self.manifest, int(self.manifest["format"]))
+            return StateFileSource(storage, name, self.manifest, int(self.manifest["format"]), group)
         if self.state.shards is None:
             return None
         return shards.ShardSource(self.state.shards, lambda filename: checked_read(storage, name, filename,
