@@ -99,6 +99,8 @@ def test_a_job_whose_lease_was_taken_over_stops_before_writing(location, runtime
     stalled.prepare()
     stalled.save(state_at(1))
     taker = lease_for(location, "job-b")
+    if isinstance(taker.storage, storage.FsspecStorage):  # its own client, as on another host: nothing cached shared
+        taker.storage.fs = type(taker.storage.fs)(**taker.storage.fs.storage_options, skip_instance_cache=True)
     taker.take(take_over=True)
     with pytest.raises(CheckpointError, match=r"was taken over by job job-b on host-job-b .* stops without writing"):
         stalled.save(state_at(2))

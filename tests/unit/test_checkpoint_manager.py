@@ -245,25 +245,32 @@ def test_on_an_object_store_each_save_is_a_folder_of_its_own_committed_by_its_ma
     assert torch.equal(verify(open_storage(location), old).state.model["weight"], state_at(4).model["weight"])
 
 
-def test_on_an_object_store_a_late_save_of_the_same_step_never_touches_the_committed_one(manager_for):
+def test_on_an_object_store_a_late_save_of_the_same_step_never_touches_the_committed_one(manager_for, monkeypatch):
     """A job frozen past its lease (a paused VM) wakes up and goes on saving a step the job that took the folder
-    over has committed: its writes and its clean-up land in its own folder only; the next start removes what it
-    left uncommitted; one it did commit is a checkpoint of its own, never a mix of the two."""
+    over has committed: its writes and its clean-up land in its own folder only, which sorts as the older save of
+    the step (its lease generation is the older) even where its host's clock runs an hour ahead; the next start
+    removes it unfinished, and again once the late job's manifest lands in it, its files gone."""
     location = f"memory://ckpt-{uuid.uuid4().hex}"
-    holder = manager_for(location)
-    save_steps(holder, [4])
+    save_steps(manager_for(location), [4])
     [committed] = names(location)
-    late = open_storage(location)
-    folder = late.begin("step-00000004")  # started before the freeze, as the holder's own save was
+    late, now = open_storage(location), time.time_ns
+    monkeypatch.setattr(time, "time_ns", lambda: now() + 3600 * 10**9)
+    folder = late.begin("step-00000004", generation=0)  # the late job's lease generation: older than the holder's
     late.write_file(folder, "state.pt", lambda handle: handle.write(b"the late job's bytes"))
     late.abandon(folder)  # its failed save cleans up
-    mid_write = late.begin("step-00000004")
-    late.write_file(mid_write, "state.pt", lambda handle: handle.write(b"the late job's bytes"))
-    assert names(location) == [mid_write, committed]
-    loaded = manager_for(location, take_over_checkpoint_dir=True).load("latest")  # skips the uncommitted one
-    assert loaded is not None and loaded.location.endswith(committed)
-    assert names(location) == [committed] and torch.equal(whole(loaded)["model"]["weight"],
-                                                          state_at(4).model["weight"])
+    torn = late.begin("step-00000004", generation=0)
+    late.write_file(torn, "state.pt", lambda handle: handle.write(b"the late job's bytes"))
+    monkeypatch.setattr(time, "time_ns", now)
+    assert names(location) == [committed, torn]
+    manager_for(location, take_over_checkpoint_dir=True)  # the next run's start
+    assert names(location) == [committed]
+    # The late job passed its last lease check before the takeover and uploads its manifest into its emptied folder.
+    late.commit(torn, "step-00000004", {}, {"state.pt": {"bytes": 20, "crc32": "0"}},
+                lambda files: json.dumps({"format": 3, "files": files}).encode())
+    assert names(location) == [committed, torn]
+    loaded = manager_for(location, take_over_checkpoint_dir=True).load("latest")
+    assert loaded is not None and loaded.location.endswith(committed) and names(location) == [committed]
+    assert torch.equal(whole(loaded)["model"]["weight"], state_at(4).model["weight"])
 
 
 # -- retention -----------------------------------------------------------------------------------------------
@@ -401,7 +408,8 @@ def test_a_write_to_a_store_that_stops_answering_ends_within_the_deadline_as_ret
     assert StorageStalled.exit_code == EXIT_PEER_LOST and 2 <= took < 2 + RELEASE_AFTER_STALL_S + 3, took
     assert f"checkpoint {location}/step-00000002 was not written within 2s (--checkpoint-timeout-s)" in str(
         stalled.value)
-    assert steps(location) == [1]
+    storage = open_storage(location)  # the given-up write may be uploading into its own folder again by now
+    assert [step_of(name) for name in names(location) if storage.exists(name, "manifest.json")] == [1]
     # The server answers again and the given-up write goes on: it must neither commit nor leave a folder behind.
     manager._writer.join(60)
     assert not manager._writer.is_alive()

@@ -24,11 +24,11 @@ from trainer.checkpoint.lease import CheckpointLease
 from trainer.checkpoint.reading import STATE_FILE, InvalidCheckpoint, UnknownFormat
 from trainer.checkpoint.schema import DCP_FORMAT, FORMAT, TrainingState, library_versions
 from trainer.checkpoint.snapshot import HostSnapshots, Snapshot
-from trainer.checkpoint.storage import MANIFEST, FileWriter, checkpoint_name, open_storage, step_of
+from trainer.checkpoint.storage import MANIFEST, FileWriter, checkpoint_name, open_storage, saved_in_place, step_of
 from trainer.checkpoint.verification import LoadedCheckpoint, verify, verify_path
 from trainer.config import CheckpointConfig
 from trainer.distributed import Runtime, broadcast_from_main, gather_to_main
-from trainer.errors import CheckpointError, StorageStalled
+from trainer.errors import CheckpointError, StorageStalled, described
 from trainer.redact import redact
 
 # After a write stalled, the lease's release goes to the same storage: tried for this long, then left to expire.
@@ -95,6 +95,7 @@ class CheckpointManager:
                 lease.start_renewing()
                 for stale in self.storage.remove_temporaries():
                     self.log.warning("removed %s, left by a save that did not finish", self.storage.describe(stale))
+                self._remove_unfinished_saves()
             except CheckpointError as problem:
                 error = str(problem)
         self._raise_everywhere(error)
@@ -192,7 +193,7 @@ class CheckpointManager:
         if self.runtime.is_main:
             try:
                 self._check_lease()
-                opened = (self.storage.begin(name), None)
+                opened = (self.storage.begin(name, self._generation()), None)
             except CheckpointError as problem:
                 opened = (None, str(problem))
         temporary, error = broadcast_from_main(opened, self.runtime)
@@ -424,7 +425,7 @@ class CheckpointManager:
             raise
         # torch.save streams straight into the temporary file (through the checksum): no serialised copy
         # of the whole state in memory, no second pass to hash it.
-        committed = self.storage.commit(temporary or self.storage.begin(name), name,
+        committed = self.storage.commit(temporary or self.storage.begin(name, self._generation()), name,
                                         {STATE_FILE: lambda handle: save_state(state, handle), **(more_files or {})},
                                         shard_files, make_manifest)
         self.last_timing.write_s = time.perf_counter() - started
@@ -472,17 +473,16 @@ class CheckpointManager:
         for name in older:
             if name in replaced:
                 continue
-            try:
-                manifest = json.loads(self.storage.read(name, MANIFEST))
-            except (FileNotFoundError, ValueError):
-                continue  # never committed: not counted, and removed below as unusable
-            except OSError:
+            whole, manifest = self._whole(name)
+            if whole is None:
                 unsure.add(name)  # the storage did not answer (throttled, timed out): left for the next save
                 continue
+            if not whole:
+                continue  # never committed, or its files gone: not counted, and removed below as unusable
             if any(step_of(name) == step_of(later) for later, _ in committed):  # newest first: a later save is kept
                 replaced.add(name)
                 continue
-            committed.append((name, manifest if isinstance(manifest, dict) else {}))
+            committed.append((name, manifest))
         kept = ({name for name, _ in committed[: self.config.keep_last]} | {written} | unsure) - replaced
         if self.config.keep_best and self.monitor is not None:
             best = _best(committed, self.monitor)
@@ -497,8 +497,49 @@ class CheckpointManager:
                 self.log.warning("could not remove old checkpoint %s: %s", self.storage.describe(name), error)
 
     def _check_lease(self) -> None:
-        if self.lease is not None:
+        if self.lease is None:
+            return
+        try:
             self.lease.check()
+        except CheckpointError:
+            raise
+        except Exception as error:  # noqa: BLE001 - any backend's error: the lease is not confirmed, nothing commits
+            raise CheckpointError(f"could not read the lease of checkpoint folder {self.storage.describe()} "
+                                  f"({redact(described(error), self.storage.location)}), so this job cannot "
+                                  f"tell that the folder is still its own") from None
+
+    def _generation(self) -> int:
+        """This job's lease generation (0 without a lease): an object store's save folders are named after it."""
+        return self.lease.generation or 0 if self.lease is not None else 0
+
+    def _whole(self, name: str) -> tuple[bool | None, dict[str, Any]]:
+        """Whether a folder holds a committed checkpoint whose files are all there (their sizes and checksums are
+        ``verify``'s business), and its manifest: False without a readable manifest, or with a file it lists missing
+        (a save committed in place whose files a later holder of the folder removed: it can never be whole); None
+        where the storage did not answer (nothing is decided on that)."""
+        try:
+            manifest = json.loads(self.storage.read(name, MANIFEST))
+            present = set(self.storage.files(name))
+        except (FileNotFoundError, ValueError):
+            return False, {}
+        except Exception:  # noqa: BLE001 - throttled, timed out, any backend's own error: unsure
+            return None, {}
+        listed = manifest.get("files") if isinstance(manifest, dict) else None
+        if not isinstance(listed, dict) or not set(listed) <= present:
+            return False, {}
+        return True, manifest
+
+    def _remove_unfinished_saves(self) -> None:
+        """At the start, on the lease's holder: an object store's save folders that will never be whole (no
+        manifest, or files missing), left by a save that crashed or by a job that lost the folder meanwhile."""
+        for name in self.storage.list_checkpoints():
+            if saved_in_place(name) and self._whole(name)[0] is False:
+                try:
+                    self.storage.remove(name)
+                    self.log.warning("removed %s, left by a save that did not finish", self.storage.describe(name))
+                except OSError as error:
+                    self.log.warning("could not remove %s, left by a save that did not finish: %s",
+                                     self.storage.describe(name), error)
 
     def _raise_everywhere(self, error: str | None, stalled: bool = False) -> None:
         """Rank 0's checkpoint error, raised on every rank, so no rank waits for one that has quit. Rank 0's

@@ -13,6 +13,7 @@ from trainer.checkpoint.storage.base import (
     ManifestMaker,
     NotAFile,
     checkpoint_name,
+    saved_in_place,
     step_of,
 )
 from trainer.checkpoint.storage.checksum import ChecksumWriter, crc32_hex
@@ -21,7 +22,7 @@ from trainer.checkpoint.storage.local import LocalStorage
 
 __all__ = ["BACKENDS", "EXCLUSIVE_CREATE_SINCE", "MANIFEST", "CheckpointStorage", "ChecksumWriter", "FileWriter",
            "FsspecStorage", "LocalStorage", "ManifestMaker", "NotAFile", "checkpoint_name", "crc32_hex",
-           "open_storage", "step_of"]
+           "open_storage", "saved_in_place", "step_of"]
 
 # Most specific first: a local path (or file://) before any other URL, which fsspec resolves.
 BACKENDS: tuple[type[CheckpointStorage], ...] = (LocalStorage, FsspecStorage)

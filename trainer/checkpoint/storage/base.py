@@ -26,9 +26,11 @@ from typing import IO, Any
 from trainer.checkpoint.storage.checksum import ChecksumWriter
 from trainer.errors import CheckpointError
 
-# ``step-<step>``, or ``step-<step>.<save>`` for a save committed in place: <save> is the save's start in
-# nanoseconds since the epoch (16 hex digits) then 8 random ones, so that the later save of a step sorts first.
-CHECKPOINT_NAME = re.compile(r"^step-(\d{8,})(?:\.([0-9a-f]{24}))?$")
+# ``step-<step>``, or ``step-<step>.<save>`` for a save committed in place: <save> is 32 hex digits, the saving
+# job's lease generation (8), which only grows from one holder of the folder to the next, then the save's start in
+# nanoseconds since the epoch (16; another host's clock may differ, hence the generation first) and 8 random ones:
+# of two saves of a step, the one of the folder's newer holder, then the later one, sorts first.
+CHECKPOINT_NAME = re.compile(r"\Astep-(\d{8,})(?:\.([0-9a-f]{32}))?\Z")
 TEMP_PREFIX = ".tmp-"
 REPLACED_PREFIX = f"{TEMP_PREFIX}replaced-"
 MANIFEST = "manifest.json"
@@ -49,7 +51,7 @@ def step_of(name: str) -> int | None:
 
 def newest_first(name: str) -> tuple[int, str]:
     """The sort key of checkpoint names, for ``reverse=True``: by step, then (a step saved twice in place) by the
-    save's start."""
+    saving job's lease generation and the save's start."""
     match = CHECKPOINT_NAME.match(name)
     return (int(match.group(1)), match.group(2) or "") if match else (-1, "")
 
@@ -103,10 +105,11 @@ class CheckpointStorage(ABC):
         committed folder's name (``commit``)."""
         return self.commit(self.begin(name), name, files, {}, make_manifest)
 
-    def begin(self, name: str) -> str:
+    def begin(self, name: str, generation: int = 0) -> str:
         """A new folder for checkpoint ``name``, which several processes may write files into (``write_file``)
-        before one of them commits it: a temporary one, or under ``commits_in_place`` the save's own."""
-        temporary = (f"{name}.{time.time_ns():016x}{uuid.uuid4().hex[:8]}" if self.commits_in_place
+        before one of them commits it: a temporary one, or under ``commits_in_place`` the save's own, named after
+        the saving job's lease ``generation`` (see CHECKPOINT_NAME)."""
+        temporary = (f"{name}.{generation:08x}{time.time_ns():016x}{uuid.uuid4().hex[:8]}" if self.commits_in_place
                      else f"{TEMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}")
         try:
             self._make_folder(temporary)
@@ -160,11 +163,11 @@ class CheckpointStorage(ABC):
 
     def remove_temporaries(self) -> list[str]:
         """Delete folders left by saves that crashed; they never held a usable checkpoint, except a
-        checkpoint moved aside to be replaced when the crash came before its replacement was in place. Called by
-        the lease's holder only: a save's own folder without its manifest is one that will never commit."""
+        checkpoint moved aside to be replaced when the crash came before its replacement was in place. (A save
+        committed in place leaves a folder under its final name: the manager, which reads manifests, removes
+        those that will never be whole.)"""
         present = set(self._list())
         stale = sorted(name for name in present if name.startswith(TEMP_PREFIX))
-        stale += sorted(name for name in present if saved_in_place(name) and not self.exists(name, MANIFEST))
         for name in stale:
             original = _replaced_name(name)
             if original is not None and (original not in present or not self.exists(original, MANIFEST)):

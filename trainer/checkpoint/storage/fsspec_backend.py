@@ -35,7 +35,9 @@ class FsspecStorage(CheckpointStorage):
         try:
             import fsspec
 
-            self.fs, self.root = fsspec.core.url_to_fs(location)
+            # No cached listings: a job must see the lease files and checkpoints as they are now, never as its own
+            # client last listed them (a job woken from a pause would pass its lease check on a stale listing).
+            self.fs, self.root = fsspec.core.url_to_fs(location, use_listings_cache=False)
         except (ImportError, ValueError) as error:
             raise CheckpointError(
                 f"--checkpoint-dir {location}: no filesystem for this URL ({error}); install the fsspec "
@@ -170,9 +172,12 @@ class FsspecStorage(CheckpointStorage):
         self.fs.pipe_file(self._path(name, filename), data)  # one object write: old or new, never a part
 
     def files(self, name: str) -> list[str]:
-        if not self.fs.isdir(self._path(name)):
+        # ls, not isdir first: fsspec's isdir answers False for any error, and a store that did not answer is no
+        # empty folder (a lease that looks free, a checkpoint whose files look gone).
+        try:
+            entries = self.fs.ls(self._path(name), detail=True)
+        except FileNotFoundError:
             return []
-        entries = self.fs.ls(self._path(name), detail=True)
         return [entry["name"].rsplit("/", 1)[-1] for entry in entries if entry["type"] == "file"]
 
     def remove_file(self, name: str, filename: str) -> None:
