@@ -273,6 +273,30 @@ def test_on_an_object_store_a_late_save_of_the_same_step_never_touches_the_commi
     assert torch.equal(whole(loaded)["model"]["weight"], state_at(4).model["weight"])
 
 
+@pytest.mark.parametrize("failing", [("cat_file",), ("ls", "info")])
+def test_on_an_object_store_a_store_that_does_not_answer_at_the_start_removes_nothing(failing, manager_for,
+                                                                                      monkeypatch):
+    """The start removes save folders that will never be whole: a manifest read or a listing that fails (throttled,
+    timed out) decides nothing, where fsspec's own isfile and isdir would have answered False."""
+    location = f"memory://ckpt-{uuid.uuid4().hex}"
+    save_steps(manager_for(location), [2, 4])
+    before = names(location)
+    fs, _ = fsspec.core.url_to_fs(location)
+
+    def flaky(real: Callable[..., object]) -> Callable[..., object]:
+        def call(self: object, path: str, *args: object, **kwargs: object) -> object:
+            if "/step-" in path:
+                raise OSError(5, "Input/output error")
+            return real(self, path, *args, **kwargs)
+        return call
+
+    with monkeypatch.context() as patched:
+        for method in failing:
+            patched.setattr(type(fs), method, flaky(getattr(type(fs), method)))
+        manager_for(location, take_over_checkpoint_dir=True)
+    assert names(location) == before and all(verify(open_storage(location), name) for name in before)
+
+
 # -- retention -----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("keep_last", [2, 3])
