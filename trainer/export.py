@@ -154,7 +154,8 @@ def untied(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], d
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = RedactingArgumentParser(prog="ddp-export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", help="a checkpoint folder (step-NNNNNNNN), local or a storage URL")
+    parser.add_argument("checkpoint", help="a checkpoint folder (step-NNNNNNNN, or step-NNNNNNNN.<save> on an "
+                                           "object store), local or a storage URL")
     parser.add_argument("output", help="the file to write: NAME.safetensors, or NAME.pt (torch, weights only); a "
                                            "folder with --format dcp")
     parser.add_argument("--format", choices=FORMATS, default="auto",

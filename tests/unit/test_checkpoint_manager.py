@@ -297,6 +297,23 @@ def test_on_an_object_store_a_store_that_does_not_answer_at_the_start_removes_no
     assert names(location) == before and all(verify(open_storage(location), name) for name in before)
 
 
+def test_on_an_object_store_a_listing_that_fails_stops_the_resume_never_starts_afresh(manager_for, monkeypatch):
+    location = f"memory://ckpt-{uuid.uuid4().hex}"
+    save_steps(manager_for(location), [2])
+    fs, _ = fsspec.core.url_to_fs(location)
+    manager = manager_for(location, take_over_checkpoint_dir=True)
+
+    def failing(*args: object, **kwargs: object) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(type(fs), "ls", failing)
+    with pytest.raises(CheckpointError, match=r"^cannot list checkpoint folder memory://ckpt-\w+ \(OSError: "
+                                              r"\[Errno 5\] Input/output error\); the run does not start afresh "
+                                              r"over checkpoints it cannot see: start it again once the storage "
+                                              r"answers, or pass --resume none$"):
+        manager.load("latest")
+
+
 # -- retention -----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("keep_last", [2, 3])

@@ -123,7 +123,14 @@ class CheckpointManager:
             return None
         if resume != "latest":
             return self._load_path(resume)
-        for name in self.storage.list_checkpoints():
+        try:
+            names = self.storage.list_checkpoints()
+        except Exception as error:  # noqa: BLE001 - any backend's error: the folder's checkpoints are unknown
+            raise CheckpointError(redact(
+                f"cannot list checkpoint folder {self.storage.describe()} ({described(error)}); the run does not "
+                f"start afresh over checkpoints it cannot see: start it again once the storage answers, or pass "
+                f"--resume none", self.storage.location)) from None
+        for name in names:
             try:
                 return verify(self.storage, name)
             except InvalidCheckpoint as problem:

@@ -53,9 +53,10 @@ class FsspecStorage(CheckpointStorage):
         return redact(text.replace(self.root, self.location.rstrip("/")) if self.root else text, self.location)
 
     def _list(self) -> list[str]:
-        if not self.fs.exists(self.root):
+        try:  # not exists() first: it answers False for any error, and a resume would then start afresh
+            entries = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:
             return []
-        entries = self.fs.ls(self.root, detail=True)
         return [entry["name"].rstrip("/").rsplit("/", 1)[-1] for entry in entries if entry["type"] == "directory"]
 
     def _make_folder(self, name: str) -> None:
