@@ -5,7 +5,6 @@ skipped, an older one tried; UnknownFormat: refused, never skipped)."""
 from __future__ import annotations
 
 import json
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +12,7 @@ import torch.distributed as dist
 
 from trainer.checkpoint.schema import READABLE
 from trainer.checkpoint.storage import MANIFEST, CheckpointStorage, NotAFile, crc32_hex
+from trainer.checkpoint.storage.checksum import crc32
 
 STATE_FILE = "state.pt"
 # Ours are well under 4 KB; a larger one is not read (it could be anything, of any size).
@@ -75,7 +75,7 @@ def checked_pieces(storage: CheckpointStorage, name: str, filename: str, manifes
         if not piece:
             break
         keep(piece)
-        crc, done = zlib.crc32(piece, crc), done + len(piece)
+        crc, done = crc32(piece, crc), done + len(piece)
     if done != size:
         raise InvalidCheckpoint(f"{filename} has {done} bytes, the manifest says {size}")
     if f"{crc:08x}" != checksum:
