@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import signal
 import tempfile
@@ -312,6 +313,55 @@ def test_on_an_object_store_a_listing_that_fails_stops_the_resume_never_starts_a
                                               r"over checkpoints it cannot see: start it again once the storage "
                                               r"answers, or pass --resume none$"):
         manager.load("latest")
+
+
+def test_on_an_object_store_a_listing_that_fails_at_the_start_or_in_pruning_leaves_everything_and_stops_nothing(
+        manager_for, monkeypatch, caplog):
+    """Cleaning up and pruning are for later when the store does not answer: the run starts, the save stands."""
+    location = f"memory://ckpt-{uuid.uuid4().hex}"
+    save_steps(manager_for(location), [1, 2])
+    fs, root = fsspec.core.url_to_fs(location)
+    listing = type(fs).ls
+
+    def failing_at_the_root(self: object, path: str, *args: object, **kwargs: object) -> object:
+        if path.rstrip("/") == root.rstrip("/"):
+            raise OSError(5, "SlowDown: Please reduce your request rate")
+        return listing(self, path, *args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(type(fs), "ls", failing_at_the_root)
+        manager = manager_for(location, keep_last=2, take_over_checkpoint_dir=True)
+        manager.save(state_at(3))
+    assert steps(location) == [3, 2, 1]  # committed; the next save prunes
+    warned = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert any(line.startswith("left what earlier saves may have left in memory://") for line in warned), warned
+    assert any("the older ones were not pruned: cannot list memory://" in line for line in warned), warned
+    manager.save(state_at(4))
+    assert steps(location) == [4, 3]
+
+
+def test_a_state_file_that_a_storage_client_cannot_read_stops_the_resume_in_one_line_and_leaves_no_copy(
+        manager_for, monkeypatch, tmp_path):
+    """An object store client's own error (botocore's are no OSError) while each rank maps the state file: one
+    line, the resume stops (the checkpoint is not skipped for an older one), and the node's copy is gone."""
+    location = f"memory://ckpt-{uuid.uuid4().hex}"
+    save_steps(manager_for(location), [1])
+    loaded = manager_for(location, take_over_checkpoint_dir=True).load("latest")
+    assert loaded is not None and loaded.resume
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+
+    class EndpointConnectionError(Exception):  # as botocore's: an Exception, not an OSError
+        pass
+
+    def unreachable(*args: object, **kwargs: object) -> bytes:
+        raise EndpointConnectionError('Could not connect to the endpoint URL: "http://127.0.0.1:9/bucket"')
+
+    fs, _ = fsspec.core.url_to_fs(location)
+    monkeypatch.setattr(type(fs), "cat_file", unreachable)
+    with pytest.raises(CheckpointError, match=r'^state.pt unreadable \(Could not connect to the endpoint URL: '
+                                              r'"http://127.0.0.1:9/bucket"\)$'):
+        whole(loaded)
+    assert list((tmp_path / f"ddp-deploy-{os.getuid()}").iterdir()) == []
 
 
 # -- retention -----------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from torch.utils.serialization import config as serialization_config
 
 from trainer.checkpoint import dcp_files, shards
 from trainer.checkpoint.lease import CheckpointLease
-from trainer.checkpoint.reading import STATE_FILE, InvalidCheckpoint, UnknownFormat
+from trainer.checkpoint.reading import MAX_MANIFEST_BYTES, STATE_FILE, InvalidCheckpoint, UnknownFormat
 from trainer.checkpoint.schema import DCP_FORMAT, FORMAT, TrainingState, library_versions
 from trainer.checkpoint.snapshot import HostSnapshots, Snapshot
 from trainer.checkpoint.storage import MANIFEST, FileWriter, checkpoint_name, open_storage, saved_in_place, step_of
@@ -37,6 +37,10 @@ RELEASE_AFTER_STALL_S = 2.0
 RELEASE_S = 10.0
 # How a run ended, for the lease (release_lease).
 FINISHED, STOPPED, FAILED = "finished", "stopped", "failed"
+
+
+class LeaseUnreadable(CheckpointError):
+    """The lease could not be read (the storage did not answer): nothing commits on it, and nothing is pruned."""
 
 
 @dataclass(frozen=True)
@@ -93,9 +97,7 @@ class CheckpointManager:
                                           f"--checkpoint-dir") from None
                 self.lease = lease
                 lease.start_renewing()
-                for stale in self.storage.remove_temporaries():
-                    self.log.warning("removed %s, left by a save that did not finish", self.storage.describe(stale))
-                self._remove_unfinished_saves()
+                self._remove_leftovers()
             except CheckpointError as problem:
                 error = str(problem)
         self._raise_everywhere(error)
@@ -442,21 +444,28 @@ class CheckpointManager:
         self.log.info("checkpoint %s written (%.1f MB%s in %.2fs)", self.storage.describe(committed),
                       self.last_timing.bytes / 1e6, sharded, self.last_timing.write_s)
         self.last_committed = committed
-        reason = self._why_no_longer(name)
-        if reason:  # committed by the time it was found: said as it is, and nothing older removed
-            raise CheckpointError(f"checkpoint {self.storage.describe(committed)} was committed, but the older ones "
-                                  f"were not pruned: {reason}")
-        self._prune(written=committed)
+        try:
+            reason = self._why_no_longer(name, unreadable_lease=LeaseUnreadable)
+            if reason:  # committed by the time it was found: said as it is, and nothing older removed
+                raise CheckpointError(f"checkpoint {self.storage.describe(committed)} was committed, but the older "
+                                      f"ones were not pruned: {reason}")
+            self._prune(written=committed)
+        except LeaseUnreadable as problem:  # nothing is pruned on it, and the save stands: the next one prunes
+            self.log.warning("checkpoint %s was committed; the older ones were not pruned: %s",
+                             self.storage.describe(committed), problem)
 
-    def _why_no_longer(self, name: str) -> str | None:
+    def _why_no_longer(self, name: str, unreadable_lease: type[Exception] | tuple[()] = ()) -> str | None:
         """Why this write may no longer commit or prune, or None. A write that outlasted --checkpoint-timeout-s was
         given up (the job was told it stalled, and may be gone, its lease released): if the storage answers again
-        later, it must do neither. Nor may a write whose job lost the lease meanwhile."""
+        later, it must do neither. Nor may a write whose job lost the lease meanwhile, or cannot read it (raised
+        instead where ``unreadable_lease`` is LeaseUnreadable)."""
         if self._stalled or time.monotonic() > self._writer_deadline:
             return (f"its write outlasted --checkpoint-timeout-s ({self.config.checkpoint_timeout_s:g}s) and was "
                     f"given up")
         try:
             self._check_lease()
+        except unreadable_lease:
+            raise
         except CheckpointError as lost:
             return str(lost)
         return None
@@ -473,7 +482,14 @@ class CheckpointManager:
         """
         self._check_lease()  # never prune another job's checkpoints
         current = step_of(written) or 0
-        older = [name for name in self.storage.list_checkpoints() if (step_of(name) or 0) <= current]
+        try:
+            listed = self.storage.list_checkpoints()
+        except Exception as error:  # noqa: BLE001 - any backend's error: the save stands, the next one prunes
+            self.log.warning("checkpoint %s was committed; the older ones were not pruned: cannot list %s (%s)",
+                             self.storage.describe(written), self.storage.describe(),
+                             redact(described(error), self.storage.location))
+            return
+        older = [name for name in listed if (step_of(name) or 0) <= current]
         replaced = {name for name in older if step_of(name) == current and name != written}
         committed: list[tuple[str, dict[str, Any]]] = []
         unsure: set[str] = set()
@@ -511,7 +527,7 @@ class CheckpointManager:
         except CheckpointError:
             raise
         except Exception as error:  # noqa: BLE001 - any backend's error: the lease is not confirmed, nothing commits
-            raise CheckpointError(f"could not read the lease of checkpoint folder {self.storage.describe()} "
+            raise LeaseUnreadable(f"could not read the lease of checkpoint folder {self.storage.describe()} "
                                   f"({redact(described(error), self.storage.location)}), so this job cannot "
                                   f"tell that the folder is still its own") from None
 
@@ -525,6 +541,8 @@ class CheckpointManager:
         (a save committed in place whose files a later holder of the folder removed: it can never be whole); None
         where the storage did not answer (nothing is decided on that)."""
         try:
+            if self.storage.size(name, MANIFEST) > MAX_MANIFEST_BYTES:
+                return False, {}  # never read: refused by verify too
             manifest = json.loads(self.storage.read(name, MANIFEST))
             present = set(self.storage.files(name))
         except (FileNotFoundError, ValueError):
@@ -535,6 +553,17 @@ class CheckpointManager:
         if not isinstance(listed, dict) or not set(listed) <= present:
             return False, {}
         return True, manifest
+
+    def _remove_leftovers(self) -> None:
+        """At the start: what saves that crashed left. Where the storage does not answer, it is left for the next
+        start (nothing is decided on an error)."""
+        try:
+            for stale in self.storage.remove_temporaries():
+                self.log.warning("removed %s, left by a save that did not finish", self.storage.describe(stale))
+            self._remove_unfinished_saves()
+        except Exception as error:  # noqa: BLE001 - any backend's error (throttled, timed out)
+            self.log.warning("left what earlier saves may have left in %s for the next start: cannot list it (%s)",
+                             self.storage.describe(), redact(described(error), self.storage.location))
 
     def _remove_unfinished_saves(self) -> None:
         """At the start, on the lease's holder: an object store's save folders that will never be whole (no

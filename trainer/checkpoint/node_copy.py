@@ -1,11 +1,15 @@
-"""One local copy per node of a checkpoint file that lives on an object store.
+"""One local copy per node of a checkpoint file that lives on an object store, for the ranks of one resume.
 
 Every rank of a resume maps the whole-state file (trainer.checkpoint.state_file); from an object store it is first
-downloaded to a local file. Eight ranks of one node would download it eight times: instead the first process of the
-node to ask downloads it (through its checksum) into this user's own folder under TMPDIR, under a lock, and renames
-it into place once whole and checked; the others wait for the lock and map the same file. It is removed once every
-rank has mapped it (``release``), and a copy a crash left behind is reused by the next resume of that checkpoint or
-removed by any download a day later.
+downloaded to a local file. Eight ranks of one node would download it eight times: instead the first rank of the
+node to ask downloads it (through its checksum) under a lock, and renames it into place once whole and checked; the
+others wait for the lock and map the same file. Once every rank of the resume has mapped it (they agree on that),
+each removes it (``release``): a mapping keeps its pages readable.
+
+The copy is named after the resume (a token rank 0 draws and sends every rank) and the host: no other resume,
+job or node ever opens it, so its removal can never pull it from under anyone, and a copy is never taken from an
+earlier resume (nor checked again). A rank killed while downloading leaves a partial file that the next rank of its
+resume removes under the lock; a resume that crashed leaves files that any download removes a day later.
 
 The folder is ``$TMPDIR/ddp-deploy-<uid>``, mode 0700 and owned by this user, so that no other user of a shared
 /tmp can plant or replace a file there; where it cannot be made so, ``fetch`` returns None and each process keeps a
@@ -16,8 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import hashlib
 import os
+import socket
 import stat
 import tempfile
 import time
@@ -25,14 +31,14 @@ from collections.abc import Callable
 from typing import IO
 
 PREFIX = "ddp-deploy-state-"
-# A copy or an unfinished download older than this is left from a crash: no resume maps a file for so long.
+# Left by a resume that crashed: no resume maps a file for so long.
 STALE_AFTER_S = 24 * 3600
 
 
 def copy_key(*identity: str) -> str:
-    """A file name for one checkpoint file (its location, folder, name, size and checksum): the URL's credentials,
-    if any, are hashed, never written out."""
-    return hashlib.sha256("\0".join(identity).encode()).hexdigest()[:24]
+    """A file name for one resume's copy of one checkpoint file on this host (from the file's location, folder,
+    name, size and checksum, and the resume's token): the URL's credentials, if any, are hashed, never written."""
+    return hashlib.sha256("\0".join((*identity, socket.gethostname())).encode()).hexdigest()[:24]
 
 
 def private_folder() -> str | None:
@@ -53,37 +59,42 @@ def private_folder() -> str | None:
     return folder
 
 
-def fetch(key: str, size: int, download: Callable[[IO[bytes]], None]) -> tuple[str, bool] | None:
-    """The node's copy of the file named by ``key``: its path, and whether this process downloaded it (``download``
-    writes the checked bytes into a file it is given; what it raises is raised here, no copy left). None where there
-    is no private folder: the caller makes a copy of its own."""
+def copy_path(key: str) -> str | None:
+    """Where the node's copy of the file named by ``key`` goes, or None where there is no private folder (the
+    caller then makes a copy of its own)."""
     folder = private_folder()
-    if folder is None:
-        return None
-    path = os.path.join(folder, f"{PREFIX}{key}.pt")
+    return None if folder is None else os.path.join(folder, f"{PREFIX}{key}.pt")
+
+
+def fetch(path: str, size: int, download: Callable[[IO[bytes]], None]) -> None:
+    """Make the node's copy at ``path`` (``copy_path``), downloaded by the first process to ask (``download``
+    writes the checked bytes into a file it is given; what it raises is raised here, nothing left but the lock,
+    which ``release`` removes)."""
+    folder = os.path.dirname(path)
     lock = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # the node's other processes wait here while one downloads
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the resume's other ranks on this node wait here while one downloads
         if _whole(path, size):
-            return path, False
+            return
         _remove_stale(folder)
-        partial = f"{path}.partial-{os.getpid()}"
+        for dead in glob.glob(f"{glob.escape(path)}.partial-*"):  # a rank of this resume killed mid-download
+            with contextlib.suppress(OSError):
+                os.unlink(dead)
+        descriptor, partial = tempfile.mkstemp(prefix=f"{os.path.basename(path)}.partial-", dir=folder)
         try:
-            with open(partial, "wb", opener=lambda name, flags: os.open(
-                    name, flags | os.O_EXCL | os.O_NOFOLLOW, 0o600)) as handle:
+            with os.fdopen(descriptor, "wb") as handle:
                 download(handle)
-            os.replace(partial, path)  # in place only once whole and checked: a present copy is a good one
+            os.replace(partial, path)  # in place only once whole and checked
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(partial)
             raise
-        return path, True
     finally:
         os.close(lock)
 
 
 def release(path: str) -> None:
-    """Remove the node's copy once every rank has mapped it (a mapping keeps its pages readable)."""
+    """Remove the node's copy and its lock once every rank of the resume has mapped it."""
     for leftover in (path, f"{path}.lock"):
         with contextlib.suppress(OSError):
             os.unlink(leftover)

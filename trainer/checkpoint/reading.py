@@ -13,6 +13,7 @@ import torch.distributed as dist
 from trainer.checkpoint.schema import READABLE
 from trainer.checkpoint.storage import MANIFEST, CheckpointStorage, NotAFile, crc32_hex
 from trainer.checkpoint.storage.checksum import crc32
+from trainer.errors import CheckpointError
 
 STATE_FILE = "state.pt"
 # Ours are well under 4 KB; a larger one is not read (it could be anything, of any size).
@@ -145,13 +146,21 @@ def load_failure(error: Exception) -> str:
     return first.split(". ", 1)[0].rstrip(".")[:300]
 
 
-def agree(group: Any, error: str | None) -> None:
+def agree(group: Any, error: str | None, stops: bool = False) -> None:
     """Every rank's outcome of what it read alone before a collective read (DCP's, or the next step of a resume):
     the first failure raised on every rank (a rank that quit alone would leave the others waiting in a collective
-    until its timeout). ``group`` None: this rank alone."""
+    until its timeout). ``stops``: the failure is this machine's (its disk, its network), not the checkpoint's,
+    raised as CheckpointError so that the resume stops rather than try an older checkpoint. ``group`` None: this
+    rank alone."""
+    outcome = (error, stops) if error else None
     if dist.is_initialized() and group is not None:
         everyone: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, error, group=group)
-        error = next((line for line in everyone if line), None)
-    if error:
-        raise InvalidCheckpoint(error)
+        try:
+            dist.all_gather_object(everyone, outcome, group=group)
+        except Exception as failure:  # noqa: BLE001 - gloo's own (a timeout, a peer gone): said in one line
+            raise CheckpointError(f"the ranks could not compare what each read of the checkpoint "
+                                  f"({' '.join(str(failure).split())[:200]}): a rank was lost, or took longer than "
+                                  f"--checkpoint-timeout-s to read its part") from None
+        outcome = next((found for found in everyone if found), None)
+    if outcome:
+        raise (CheckpointError if outcome[1] else InvalidCheckpoint)(outcome[0])

@@ -17,9 +17,11 @@ import contextlib
 import os
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import IO, Any
 
 import torch
+import torch.distributed as dist
 
 from trainer.checkpoint import node_copy
 from trainer.checkpoint.reading import (
@@ -36,15 +38,23 @@ from trainer.checkpoint.shards import MARK, marker_for, replace_tensors
 from trainer.checkpoint.storage import CheckpointStorage
 from trainer.errors import CheckpointError
 
-__all__ = ["StateFileSource", "load_state_file", "without_tensors"]
+__all__ = ["NodeCopies", "StateFileSource", "load_state_file", "without_tensors"]
+
+
+@dataclass
+class NodeCopies:
+    """The node's copies of an object store's files that one resume (``resume``: its token) maps."""
+
+    resume: str
+    paths: list[str] = field(default_factory=list)
 
 
 def load_state_file(storage: CheckpointStorage, name: str, manifest: dict[str, Any], version: int,
-                    checksum: bool = True, node_copies: list[str] | None = None) -> TrainingState:
+                    checksum: bool = True, node_copies: NodeCopies | None = None) -> TrainingState:
     """The checkpoint's state file as a TrainingState (its tensors mapped from a local file). ``checksum``: False
     where another rank checked the same file already (only its size is then checked). ``node_copies``: where an
-    object store's file is downloaded once per node, kept for the node's other ranks; its path is added there, for
-    the caller to release once every rank has mapped it."""
+    object store's file is downloaded once per node for the ranks of one resume, its path added there for the
+    caller to release once every rank has mapped it."""
     with _mappable(storage, name, manifest, checksum, node_copies) as path:
         try:
             # weights_only: a checkpoint on shared storage must not be able to run code when loaded.
@@ -62,7 +72,7 @@ def load_state_file(storage: CheckpointStorage, name: str, manifest: dict[str, A
 
 @contextlib.contextmanager
 def _mappable(storage: CheckpointStorage, name: str, manifest: dict[str, Any], checksum: bool,
-              node_copies: list[str] | None) -> Iterator[str]:
+              node_copies: NodeCopies | None) -> Iterator[str]:
     """A local path of the state file, checked: the file itself on a local or mounted file system; from an object
     store, a temporary copy downloaded in pieces through the checksum (never the whole file in memory), removed
     once mapped (the mapping keeps it readable), or with ``node_copies`` the node's copy."""
@@ -87,14 +97,15 @@ def _mappable(storage: CheckpointStorage, name: str, manifest: dict[str, Any], c
         checked_pieces(storage, name, STATE_FILE, manifest, keep)
 
     if node_copies is not None:
-        try:
-            shared = node_copy.fetch(node_copy.copy_key(storage.location, name, STATE_FILE, str(size), crc), size,
-                                     download)
-        except OSError as error:
-            raise _no_local_copy(error) from None
+        shared = node_copy.copy_path(node_copy.copy_key(storage.location, name, STATE_FILE, str(size), crc,
+                                                        node_copies.resume))
         if shared is not None:
-            node_copies.append(shared[0])
-            yield shared[0]
+            node_copies.paths.append(shared)  # released by the caller, whatever happens here
+            try:
+                node_copy.fetch(shared, size, download)
+            except OSError as error:
+                raise _no_local_copy(error) from None
+            yield shared
             return
     try:
         descriptor, path = tempfile.mkstemp(prefix="ddp-deploy-state-", suffix=".pt")
@@ -135,29 +146,36 @@ class StateFileSource:
     of the mapping: a file on a network file system may be removed (pruned) while this run still trains."""
 
     def __init__(self, storage: CheckpointStorage, name: str, manifest: dict[str, Any], version: int,
-                 group: Any = None) -> None:
+                 group: Any = None, resume: str = "") -> None:
         self.storage, self.name, self.manifest, self.version = storage, name, manifest, version
-        self.group = group  # every rank's: an object store's file is downloaded once per node (prepare)
+        self.group = group  # every rank's, for ``prepare``
+        self.resume = resume  # the resume's token (LoadedCheckpoint): its ranks on a node share one download
         self._parts: dict[str, Any] | None = None
 
     def prepare(self, wanted: Any) -> None:
         """Map the file, on every rank at once (a collective over ``group``): a node's ranks share one download of
-        an object store's file, removed once every rank has it mapped."""
+        an object store's file, removed once every rank has it mapped (or failed), whatever failed where."""
         if self._parts is not None:
             return
-        copies: list[str] = []
-        error = None
+        copies = NodeCopies(self.resume) if self.resume else None
+        error, stops = None, False
         try:
-            self._parts = self._load(copies)
-        except (InvalidCheckpoint, CheckpointError) as problem:
-            error = str(problem)
-        try:
-            agree(self.group, error)  # a rank that failed alone fails every rank, never leaving them waiting
+            try:
+                self._parts = self._load(copies)
+            except InvalidCheckpoint as problem:
+                error = str(problem)
+            except CheckpointError as problem:  # this machine's fault (its disk): the resume stops
+                error, stops = str(problem), True
+            except Exception as problem:  # noqa: BLE001 - a storage client's own (botocore's, aiohttp's): stops
+                error, stops = f"{STATE_FILE} unreadable ({' '.join(str(problem).split())[:300]})", True
+            if error and self.group is not None:
+                error = f"rank {dist.get_rank()}: {error}"
+            agree(self.group, error, stops)  # a rank that failed alone fails every rank, never leaving them waiting
         finally:
-            for path in copies:
+            for path in copies.paths if copies else []:
                 node_copy.release(path)
 
-    def _load(self, node_copies: list[str] | None) -> dict[str, Any]:
+    def _load(self, node_copies: NodeCopies | None) -> dict[str, Any]:
         # Checked again here, by every rank: a rank whose --checkpoint-dir is another folder (a node's own disk,
         # a stale network mount) would otherwise train from other values than rank 0 checked.
         try:

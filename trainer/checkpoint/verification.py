@@ -5,6 +5,7 @@ checkpoint to check it."""
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -24,6 +25,8 @@ class LoadedCheckpoint:
     folder: tuple[str, str] = ("", "")
     # The state's tensors are markers, each rank reads them from the state file (for_every_rank).
     tensors_in_state_file: bool = False
+    # Drawn by rank 0 for one resume (for_every_rank): the ranks of a node share one download of the state file.
+    resume: str = ""
 
     def for_every_rank(self) -> LoadedCheckpoint:
         """What rank 0 sends every rank: an unsharded checkpoint's state with its tensors left in the state file
@@ -34,7 +37,7 @@ class LoadedCheckpoint:
         state = self.state
         light = TrainingState(without_tensors(state.parts), state.world_size, state.versions, state.part_versions,
                               state.per_rank, state.shards)
-        return replace(self, state=light, tensors_in_state_file=True)
+        return replace(self, state=light, tensors_in_state_file=True, resume=uuid.uuid4().hex)
 
     def shard_source(self, group: Any = None, allocate: Any = None
                      ) -> shards.ShardSource | dcp_files.DcpSource | StateFileSource | None:
@@ -46,7 +49,7 @@ class LoadedCheckpoint:
         if self.manifest.get("format") == DCP_FORMAT:
             return dcp_files.DcpSource(storage, name, self.manifest, group, allocate)
         if self.tensors_in_state_file:
-            return StateFileSource(storage, name, self.manifest, int(self.manifest["format"]), group)
+            return StateFileSource(storage, name, self.manifest, int(self.manifest["format"]), group, self.resume)
         if self.state.shards is None:
             return None
         return shards.ShardSource(self.state.shards, lambda filename: checked_read(storage, name, filename,
