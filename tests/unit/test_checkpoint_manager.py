@@ -364,6 +364,50 @@ def test_a_state_file_that_a_storage_client_cannot_read_stops_the_resume_in_one_
     assert list((tmp_path / f"ddp-deploy-{os.getuid()}").iterdir()) == []
 
 
+def test_on_an_object_store_a_state_file_the_store_does_not_return_stops_the_resume_never_skips_it(
+        manager_for, monkeypatch, tmp_path):
+    """A throttled or failed read of the newest checkpoint: not a reason to resume an older one (or none, and then
+    prune the good one when training reaches its step again); rank 0's own copy is made in the private folder."""
+    location = f"memory://ckpt-{uuid.uuid4().hex}"
+    save_steps(manager_for(location), [4, 8])
+    manager = manager_for(location, take_over_checkpoint_dir=True)
+    fs, _ = fsspec.core.url_to_fs(location)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    made = []
+    real_mkstemp = tempfile.mkstemp
+
+    def mkstemp(*args: object, **kwargs: object) -> tuple[int, str]:
+        made.append(real_mkstemp(*args, **kwargs))  # type: ignore[arg-type]
+        return made[-1]
+
+    def throttled(*args: object, **kwargs: object) -> bytes:
+        raise OSError(5, "SlowDown: Please reduce your request rate")
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    monkeypatch.setattr(type(fs), "cat_file", throttled)
+    with pytest.raises(CheckpointError, match=r"^manifest.json unreadable \(SlowDown: Please reduce your request "
+                                              r"rate\); the checkpoint is not skipped for an older one"):
+        manager.load("latest")
+    monkeypatch.undo()
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    reads = []
+
+    def throttled_state_file(self: object, path: str, start: object = None, end: object = None,
+                             **kwargs: object) -> bytes:
+        reads.append(path)
+        if path.endswith("/state.pt") and len([read for read in reads if read.endswith("/state.pt")]) == 1:
+            raise OSError(5, "SlowDown: Please reduce your request rate")
+        return real_cat(self, path, start, end, **kwargs)
+
+    real_cat = type(fs).cat_file
+    monkeypatch.setattr(type(fs), "cat_file", throttled_state_file)
+    with pytest.raises(CheckpointError, match=r"^state.pt unreadable \(SlowDown"):
+        manager.load("latest")
+    assert made and all(path.startswith(str(tmp_path / f"ddp-deploy-{os.getuid()}") + "/")
+                        for _, path in made), made
+
+
 # -- retention -----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("keep_last", [2, 3])

@@ -73,6 +73,7 @@ from trainer.checkpoint.reading import (
 )
 from trainer.checkpoint.shards import MARK, marker_for, replace_tensors
 from trainer.checkpoint.storage import CheckpointStorage, crc32_hex
+from trainer.errors import CheckpointError
 from trainer.sharding import local_rows
 
 __all__ = ["ITEMS", "DcpSource", "RankFailed", "Shard", "data_file", "read_metadata", "save", "split"]
@@ -596,7 +597,7 @@ class DcpSource:
         if not wanted:  # the same on every rank: nothing to read, no collective
             return
         alone = not dist.is_initialized()
-        error, targets, reader = None, {}, None
+        error, targets, reader, stops = None, {}, None, False
         try:
             targets = self._targets(wanted)
             metadata = self.metadata or folder_metadata(self.storage, self.folder, self.manifest)
@@ -609,9 +610,11 @@ class DcpSource:
                                             f"{list(target.shape)} here")
         except InvalidCheckpoint as problem:
             error = str(problem)
+        except CheckpointError as problem:  # the storage did not answer (StorageUnreadable): the resume stops
+            error, stops = str(problem), True
         except OSError as problem:
             error = f"{self.folder} unreadable ({problem.strerror or problem})"
-        agree(None if alone else self.group, error)
+        agree(None if alone else self.group, error, stops)
         assert reader is not None
         try:
             with _quiet_when(alone):

@@ -75,6 +75,8 @@ def _load(path: str, model: nn.Module, group: Any) -> str:
         manifest, metadata, prefix, saved = _match(storage, name, wanted)
     except InvalidCheckpoint as problem:
         error = str(problem)
+    except CheckpointError as problem:  # the storage did not answer (StorageUnreadable)
+        error = str(problem)
     except OSError as problem:
         error = f"cannot read it ({problem.strerror or problem})"
     agree(group, error)

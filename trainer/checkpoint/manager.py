@@ -516,8 +516,9 @@ class CheckpointManager:
                 continue
             try:
                 self.storage.remove(name)
-            except OSError as error:
-                self.log.warning("could not remove old checkpoint %s: %s", self.storage.describe(name), error)
+            except Exception as error:  # noqa: BLE001 - any backend's error: the next save tries again
+                self.log.warning("could not remove old checkpoint %s: %s", self.storage.describe(name),
+                                 redact(described(error), self.storage.location))
 
     def _check_lease(self) -> None:
         if self.lease is None:
@@ -542,7 +543,7 @@ class CheckpointManager:
         where the storage did not answer (nothing is decided on that)."""
         try:
             if self.storage.size(name, MANIFEST) > MAX_MANIFEST_BYTES:
-                return False, {}  # never read: refused by verify too
+                return None, {}  # never read (verify refuses it too), nor removed: not what this trainer writes
             manifest = json.loads(self.storage.read(name, MANIFEST))
             present = set(self.storage.files(name))
         except (FileNotFoundError, ValueError):

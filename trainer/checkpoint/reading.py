@@ -29,6 +29,21 @@ class InvalidCheckpoint(Exception):
     """Why one checkpoint folder cannot be used (it is skipped, the next older one is tried)."""
 
 
+class StorageUnreadable(CheckpointError):
+    """A checkpoint's file that the storage did not return (an I/O error, a throttled or unreachable store): nothing
+    is decided on it, the checkpoint is neither skipped for an older one nor taken; the resume stops in one line."""
+
+
+def unreadable(filename: str, error: OSError) -> Exception:
+    """What a failed read of one of the checkpoint's files means: a file gone is the checkpoint's fault (skipped for
+    an older one); any other error the storage's, which may not repeat (the resume stops: StorageUnreadable)."""
+    if isinstance(error, FileNotFoundError):
+        return InvalidCheckpoint(f"{filename} is missing (the manifest lists it)")
+    return StorageUnreadable(f"{filename} unreadable ({error.strerror or error}); the checkpoint is not skipped for an "
+                             f"older one on an error the storage may not repeat: start the run again once it "
+                             f"answers, or pass --resume with another checkpoint or none")
+
+
 class UnknownFormat(Exception):
     """A checkpoint in a format this trainer cannot read: refused, never skipped, so that a format change
     cannot make ``--resume latest`` quietly start afresh and prune the checkpoints it could not read."""
@@ -53,7 +68,7 @@ def checked_read(storage: CheckpointStorage, name: str, filename: str, manifest:
     except NotAFile as problem:
         raise InvalidCheckpoint(str(problem)) from None
     except OSError as error:
-        raise InvalidCheckpoint(f"{filename} unreadable ({error.strerror or error})") from None
+        raise unreadable(filename, error) from None
     if len(data) != size:
         raise InvalidCheckpoint(f"{filename} has {len(data)} bytes, the manifest says {size}")
     if crc32_hex(data) != checksum:
@@ -72,7 +87,7 @@ def checked_pieces(storage: CheckpointStorage, name: str, filename: str, manifes
         try:
             piece = storage.read_range(name, filename, done, min(CHECK_PIECE, size - done))
         except OSError as error:
-            raise InvalidCheckpoint(f"{filename} unreadable ({error.strerror or error})") from None
+            raise unreadable(filename, error) from None
         if not piece:
             break
         keep(piece)
@@ -92,10 +107,8 @@ def check_size(storage: CheckpointStorage, name: str, filename: str, size: int) 
         found = storage.size(name, filename)
     except NotAFile as problem:
         raise InvalidCheckpoint(str(problem)) from None
-    except FileNotFoundError:
-        raise InvalidCheckpoint(f"{filename} is missing (the manifest lists it)") from None
     except OSError as error:
-        raise InvalidCheckpoint(f"{filename} unreadable ({error.strerror or error})") from None
+        raise unreadable(filename, error) from None
     if found != size:
         raise InvalidCheckpoint(f"{filename} has {found} bytes, the manifest says {size}")
 
@@ -119,8 +132,10 @@ def read_manifest(storage: CheckpointStorage, name: str) -> tuple[dict[str, Any]
         version = manifest.get("format")
     except NotAFile as problem:
         raise InvalidCheckpoint(str(problem)) from None
+    except FileNotFoundError:
+        raise InvalidCheckpoint(f"{MANIFEST} is missing") from None
     except OSError as error:
-        raise InvalidCheckpoint(f"{MANIFEST} unreadable ({error.strerror or error})") from None
+        raise unreadable(MANIFEST, error) from None
     except ValueError as error:  # JSONDecodeError and UnicodeDecodeError included
         raise InvalidCheckpoint(f"{MANIFEST} is not valid JSON ({error})") from None
     except KeyError as error:

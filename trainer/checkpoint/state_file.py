@@ -108,7 +108,8 @@ def _mappable(storage: CheckpointStorage, name: str, manifest: dict[str, Any], c
             yield shared
             return
     try:
-        descriptor, path = tempfile.mkstemp(prefix="ddp-deploy-state-", suffix=".pt")
+        # In this user's folder where there is one: what a killed process left there goes a day later.
+        descriptor, path = tempfile.mkstemp(prefix=node_copy.PREFIX, suffix=".pt", dir=node_copy.private_folder())
     except OSError as error:
         raise _no_local_copy(error) from None
     try:
