@@ -408,6 +408,32 @@ def test_on_an_object_store_a_state_file_the_store_does_not_return_stops_the_res
                         for _, path in made), made
 
 
+def test_on_an_object_store_a_leftover_the_client_cannot_remove_is_named_in_a_warning(manager_for, monkeypatch,
+                                                                                      caplog):
+    location = f"memory://ckpt-{uuid.uuid4().hex}"
+    save_steps(manager_for(location), [1])
+    late = open_storage(location)
+    unfinished = late.begin("step-00000002", generation=0)
+    late.write_file(unfinished, "state.pt", lambda handle: handle.write(b"half"))
+    fs, _ = fsspec.core.url_to_fs(location)
+
+    class ClientError(Exception):  # as botocore's: no OSError
+        pass
+
+    removing = type(fs).rm
+
+    def refused(self: object, path: str, *args: object, **kwargs: object) -> None:
+        if unfinished in path:
+            raise ClientError("AccessDenied")
+        removing(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(type(fs), "rm", refused)
+    manager_for(location, take_over_checkpoint_dir=True)
+    warned = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert any(line.endswith(f"/{unfinished}, left by a save that did not finish: ClientError: AccessDenied")
+               and line.startswith("could not remove memory://") for line in warned), warned
+
+
 # -- retention -----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("keep_last", [2, 3])

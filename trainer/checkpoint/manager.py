@@ -574,9 +574,9 @@ class CheckpointManager:
                 try:
                     self.storage.remove(name)
                     self.log.warning("removed %s, left by a save that did not finish", self.storage.describe(name))
-                except OSError as error:
+                except Exception as error:  # noqa: BLE001 - any backend's error, as in _prune: the next start tries
                     self.log.warning("could not remove %s, left by a save that did not finish: %s",
-                                     self.storage.describe(name), error)
+                                     self.storage.describe(name), redact(described(error), self.storage.location))
 
     def _raise_everywhere(self, error: str | None, stalled: bool = False) -> None:
         """Rank 0's checkpoint error, raised on every rank, so no rank waits for one that has quit. Rank 0's
