@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from devtools.processes import REPO_ROOT, TORCHRUN, clean_env, free_port, kill_marked, kill_tree
-from trainer.launchers import ELASTIC_AGENT_ENV
+from devtools.processes import DDP_TORCHRUN, REPO_ROOT, clean_env, free_port, kill_marked, kill_tree
 
 # The round closes 1 s after the smallest size is there (30 s by default); a lost agent is dropped after 3 missed
 # keep-alives 1 s apart (5 s apart by default: 15 s).
@@ -22,26 +21,29 @@ FAST_RENDEZVOUS = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_atte
 
 @dataclass
 class ElasticJob:
-    """One job's agents: the same rendezvous (on a free loopback port), run id and trainer arguments."""
+    """One job's agents (``ddp-torchrun``, trainer.elastic_agent): the same rendezvous (on a free loopback port), run
+    id and trainer arguments."""
 
     folder: Path  # the agents' logs; the trainer's output folder is given in trainer_args
     trainer_args: Sequence[str]
     nnodes: str = "1:2"
     rdzv_conf: str = FAST_RENDEZVOUS
     run_id: str = "elastic-test"
-    env: Mapping[str, str] = field(default_factory=lambda: dict(ELASTIC_AGENT_ENV))
+    module: str = "trainer"  # what the workers run: the trainer, or a test's wrapper of it
+    env: Mapping[str, str] = field(default_factory=dict)
     endpoint: str = field(default_factory=lambda: f"127.0.0.1:{free_port()}")
     agents: list[Agent] = field(default_factory=list)
     mark: str = field(default_factory=lambda: uuid.uuid4().hex)  # in every process of the job, for stop()
 
-    def start(self, name: str) -> Agent:
-        """A new agent (node) of one rank. The first one started serves the rendezvous (every agent on a loopback
-        endpoint would try): it must stay."""
+    def start(self, name: str, env: Mapping[str, str] | None = None) -> Agent:
+        """A new agent (node) of one rank, ``env`` added to the job's. The first one started serves the rendezvous
+        (every agent on a loopback endpoint would try): it must stay."""
         host = "1" if not self.agents else "0"
-        command = [*TORCHRUN, f"--nnodes={self.nnodes}", "--nproc-per-node=1", "--rdzv-backend=c10d",
+        command = [*DDP_TORCHRUN, f"--nnodes={self.nnodes}", "--nproc-per-node=1", "--rdzv-backend=c10d",
                    f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}", "--max-restarts=4",
-                   f"--rdzv-conf={self.rdzv_conf},is_host={host}", "-m", "trainer", *self.trainer_args]
-        agent = Agent(name, self.folder / f"agent-{name}.log", command, {**self.env, "DDP_DEVTOOLS_MARK": self.mark})
+                   f"--rdzv-conf={self.rdzv_conf},is_host={host}", "-m", self.module, *self.trainer_args]
+        agent = Agent(name, self.folder / f"agent-{name}.log", command,
+                      {**self.env, **(env or {}), "DDP_DEVTOOLS_MARK": self.mark})
         self.agents.append(agent)
         return agent
 

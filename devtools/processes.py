@@ -23,6 +23,7 @@ from trainer.launchers import without_launcher_variables
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN_DIR = Path(sys.executable).parent  # torchrun, torchx, ddp-train and kubectl of the same venv
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+DDP_TORCHRUN = [sys.executable, "-m", "trainer.elastic_agent"]  # ddp-torchrun, for elastic jobs
 
 
 def free_port() -> int:

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,7 @@ from trainer.liveness import PROGRESS_GRACE_S
 from trainer.loop import Trainer
 from trainer.preemption import FORCED_EXIT_CLEANUP_S, PreemptionWatcher
 from trainer.redact import redact, redacted
-from trainer.report import final_line, setup_logging, write_summary, writing
+from trainer.report import final_line, seconds_since_process_start, setup_logging, write_summary, writing
 from trainer.resume import check_resume
 from trainer.task import RunTask
 from trainer.tracking import CheckpointFiles, Tracking
@@ -144,6 +145,22 @@ def _exit_stuck(runtime: Runtime, diagnosis: str, checkpoints: CheckpointManager
     os._exit(EXIT_PEER_LOST)
 
 
+@dataclass
+class ResumeTiming:
+    """Where a resumed process's start-up went (metrics.jsonl's "resume" record; figure 13 splits a membership
+    change's recovery with it): its start to the checkpoint's read, the read, the build, the restore."""
+
+    started_s: float | None  # from the process's start to the read (None where the OS does not say)
+    clock: float = field(default_factory=time.perf_counter)
+    read_s: float = 0.0
+    build_s: float = 0.0
+    restore_s: float = 0.0
+
+    def values(self) -> dict[str, float]:
+        times = {"read_s": self.read_s, "build_s": self.build_s, "restore_s": self.restore_s}
+        return times if self.started_s is None else {"started_s": self.started_s, **times}
+
+
 def write_config(output_dir: Path, shown_config: str) -> None:
     path = output_dir / "config.yaml"
     with writing(path):
@@ -156,17 +173,22 @@ def _prepare_and_fit(config: Config, task: RunTask, runtime: Runtime, checkpoint
                      ) -> tuple[dict[str, float], Trainer]:
     checkpoints.prepare()
     # The checkpoint is read, and its fit to this run checked, before the data and model are built.
+    timing = ResumeTiming(seconds_since_process_start())
     loaded = checkpoints.load(config.checkpoint.resume)
+    timing.read_s = time.perf_counter() - timing.clock
     if loaded is not None:
         for change in check_resume(loaded, config, task):
             log.info("resuming with a change: %s", change)
     setup = build_training(config, task, runtime,
                            None if loaded is None else checkpoint_layout(loaded.state.model))
     trainer = Trainer(config, runtime, setup, checkpoints, watcher, log, tracking)
+    timing.build_s = time.perf_counter() - timing.clock - timing.read_s
     try:
         if loaded is not None:
             # Agreed: under --sync fsdp each rank reads its own shards, and may be the only one to fail.
             agreed(runtime, lambda: trainer.restore(loaded), CheckpointError)
+            timing.restore_s = time.perf_counter() - timing.clock - timing.read_s - timing.build_s
+            trainer.record_resume(timing.values())
             if config.checkpoint.init_from and runtime.is_main:
                 log.info("--init-from is for a fresh start: this run resumes from %s instead", loaded.location)
         elif config.checkpoint.init_from:

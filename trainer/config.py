@@ -7,6 +7,7 @@ lives in ``__post_init__``, so a config built from flags, YAML or a checkpoint i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,6 +132,9 @@ class DistConfig:
 class CheckpointConfig:
     checkpoint_dir: str = option("", "checkpoint folder or fsspec URL (default: OUTPUT_DIR/checkpoints)")
     checkpoint_every: int = option(0, "also save every N optimizer steps (0: only at the end of each epoch)")
+    checkpoint_every_s: float = option(0.0, "also save once this many seconds have passed since the last save, at a "
+                                            "step every rank agrees on (0: off); bounds the work a lost node costs "
+                                            "whatever a step takes")
     keep_last: int = option(3, "how many recent checkpoints to keep (>= 2)")
     keep_best: bool = option(False, "also keep the checkpoint with the best value of the task's monitored metric")
     resume: str = option("latest", "latest (newest valid checkpoint, if any), none, or a checkpoint path",
@@ -155,6 +159,8 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         check(self.checkpoint_every >= 0, "--checkpoint-every must be >= 0")
+        check(math.isfinite(self.checkpoint_every_s) and self.checkpoint_every_s >= 0,
+              f"--checkpoint-every-s must be a number of seconds >= 0 (0: off), got {self.checkpoint_every_s:g}")
         check(self.keep_last >= 2, f"--keep-last must be >= 2 (a crash during a save needs a fallback), "
                                    f"got {self.keep_last}")
         check(bool(self.resume), "--resume must be latest, none or a path")

@@ -19,6 +19,7 @@ from trainer.cores import usable_cores
 from trainer.errors import DeviceError, RendezvousError, UserError, first_line
 from trainer.launchers import DistIdentity
 from trainer.liveness import PROGRESS_GRACE_S, Liveness
+from trainer.peer_watch import PeerWatch
 
 __all__ = ["Runtime", "StopVote", "agree", "agreed", "any_rank", "broadcast_from_main", "choose_backend",
            "choose_device", "gather_to_main", "largest", "process_group"]
@@ -153,7 +154,8 @@ def init_process_group(config: DistConfig, identity: DistIdentity, device: torch
         dist.init_process_group(backend, store=store, rank=identity.rank, world_size=identity.world_size,
                                 timeout=training_timeout)
         control = dist.new_group(backend="gloo", timeout=timeout)
-        return Runtime(identity, device, backend, Liveness(store, identity, config.collective_timeout_s), control)
+        liveness = Liveness(store, identity, config.collective_timeout_s, peer_watch=PeerWatch(identity))
+        return Runtime(identity, device, backend, liveness, control)
     return Runtime(identity, device, backend)
 
 

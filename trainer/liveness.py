@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from trainer.errors import PeerLost
 from trainer.launchers import DistIdentity
+from trainer.peer_watch import PeerWatch, gone_key
 
 __all__ = ["Liveness"]
 
@@ -68,8 +69,10 @@ class Beat:
 
 class Liveness:
     def __init__(self, store: dist.Store, identity: DistIdentity, silent_after_s: float,
-                 beat_every_s: float = HEARTBEAT_EVERY_S) -> None:
+                 beat_every_s: float = HEARTBEAT_EVERY_S, peer_watch: PeerWatch | None = None) -> None:
         self.identity = identity
+        self.peer_watch = peer_watch  # dead peers told from frozen ones at once (trainer.peer_watch)
+        self._published: set[int] = set()
         self.silent_after_s = silent_after_s
         self.beat_every_s = beat_every_s
         self.step = 0
@@ -197,6 +200,11 @@ class Liveness:
                 pending = self._answer(functools.partial(self._not_done, prefix, pending))
                 if not pending:
                     break
+                gone = self._answer(functools.partial(self._gone, pending))
+                if gone:
+                    rank, said = gone
+                    raise PeerLost(f"rank {rank} is gone while the others waited for {what}: {said}; the process "
+                                   f"ended or its machine was lost, and its own log (if any) says why")
                 silent = watch.silent(pending, self.silent_after_s)
                 if silent:
                     rank, beat = silent[0]
@@ -213,6 +221,19 @@ class Liveness:
                                                                       f"{self.identity.rank}"))
         except StoreSilent as silent_store:
             raise StoreSilent(f"{silent_store} (while the others waited for {what})") from None
+
+    def _gone(self, ranks: list[int]) -> tuple[int, str] | None:
+        """The first of ``ranks`` that a peer watch (trainer.peer_watch) found gone, and how: after publishing
+        what this rank's own watch found, for the ranks that wait elsewhere."""
+        found = self.peer_watch.found() if self.peer_watch is not None else {}
+        for rank, how in found.items():
+            if rank not in self._published:
+                self._store.set(gone_key(rank), how)
+                self._published.add(rank)
+        for rank in ranks:
+            if self._store.check([gone_key(rank)]):
+                return rank, self._store.get(gone_key(rank)).decode(errors="replace")
+        return None
 
     def _not_done(self, prefix: str, ranks: list[int]) -> list[int]:
         return [rank for rank in ranks if not self._store.check([f"{prefix}{rank}"])]

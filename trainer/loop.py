@@ -33,6 +33,7 @@ from trainer.profiling import StepProfiler, out_of_memory_message
 from trainer.redact import redacted
 from trainer.report import MetricsWriter, ProgressDisplay
 from trainer.task import call_task, to_device
+from trainer.timed_saves import TimedSaves
 from trainer.tracking import Tracking
 
 Metrics = dict[str, float]
@@ -66,6 +67,7 @@ class Trainer:
         self.train_metrics = setup.metric_set()
         self.eval_metrics = setup.metric_set()
         self._last_saved_step = -1
+        self.timed_saves = TimedSaves(config.checkpoint.checkpoint_every_s, runtime)
         self._sample_log = None
         if config.output.sample_log:
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -116,6 +118,10 @@ class Trainer:
             self.log.info("resumed from %s: epoch %d, step %d, %d samples into the epoch", loaded.location,
                           self.position.epoch + 1, self.position.step, self.position.samples_in_epoch)
 
+    def record_resume(self, timing: Metrics) -> None:
+        """metrics.jsonl's "resume" record: where this process's start-up went (trainer.api.ResumeTiming)."""
+        agreed(self.runtime, lambda: self.metrics.write("resume", self.position.step, timing), OutputError)
+
     # -- checkpoints ---------------------------------------------------------------------------------------
     def save_checkpoint(self, metrics: Metrics | None = None) -> None:
         # An epoch-end save replaces a --checkpoint-every save of the same step: it adds the evaluation's
@@ -126,6 +132,7 @@ class Trainer:
         self.checkpoints.save(self.state.capture(self.runtime.identity.world_size), metrics,
                               self.state.changed_by_step_only)
         self._last_saved_step = self.position.step
+        self.timed_saves.saved()
 
     # -- training ------------------------------------------------------------------------------------------
     def fit(self) -> Metrics:
@@ -203,12 +210,14 @@ class Trainer:
                     window_started += time.perf_counter() - evaluated  # the window counts training time only
                 if self.watcher.should_stop():
                     self._stop_for_preemption()
-                if config.checkpoint.checkpoint_every and self.position.step % config.checkpoint.checkpoint_every == 0:
+                every = config.checkpoint.checkpoint_every
+                if self.timed_saves.due() or (every and self.position.step % every == 0):
                     self.save_checkpoint()
                 if self._reached_max_steps():
                     break
             if self.watcher.should_stop_now():  # the last step's vote, before a long evaluation
                 self._stop_for_preemption()
+            self.timed_saves.settle()  # the epoch's end saves anyway
             self.progress.end_epoch()
             finished_epoch = self.position.samples_in_epoch >= train_size
             result = self._evaluate(epoch)

@@ -7,6 +7,7 @@ import contextlib
 import errno
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -51,6 +52,18 @@ def writing(path: Path) -> Iterator[None]:
         else:
             fix = f"fix the permissions of {path.parent} or choose another --output-dir"
         raise OutputError(f"cannot write {path} ({error.strerror or error}); {fix}") from None
+
+
+def seconds_since_process_start() -> float | None:
+    """How long this process has run, from the kernel's record of its start (Linux; None elsewhere): what a
+    resume's record counts its start-up from (interpreter, imports, the process group)."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()  # after the command's name, which may hold spaces
+        start_ticks = int(fields[19])  # field 22 of proc(5), counted from the state (field 3)
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 
 
 class MetricsWriter:

@@ -34,6 +34,9 @@ ARGS = ("--dataset", "synthetic", "--synthetic-train-size", "4096", "--synthetic
         "--progress", "off", "--no-tensorboard")
 RECOVERY_GOAL = Goal("<=", 2.0)
 TIMEOUT_S = 180
+# The parts of a recovery, in order: the agent's log, then rank 0's "resume" record (trainer.api.ResumeTiming).
+PARTS = {"detection_s": "detection", "rendezvous_s": "rendezvous", "start_s": "process start",
+         "build_s": "model and data", "load_s": "checkpoint load", "first_step_s": "first step"}
 RESUMED = re.compile(r"\[rank 0/(\d+)\] INFO resumed from (\S+step-(\d+)):")
 
 
@@ -49,27 +52,28 @@ def run(ctx: Context) -> FigureResult:
         return [case["total_s"] / c for case, c in zip(cases, cold, strict=True)]
 
     total = [case["total_s"] for case in loss]
-    parts = {name: median([case[name] for case in loss]) for name in ("detection_s", "rendezvous_s", "restart_s")}
+
+    def split(cases: list[dict[str, Any]]) -> str:
+        parts = {name: median([case[name] for case in cases]) for name in PARTS}
+        return ", ".join(f"{label} {parts[name]:.1f} s" for name, label in PARTS.items())
+
     rows = [
         Row("node lost: kill to the first step after it / a cold start (launch to first step)",
             median(over_cold(loss)), RECOVERY_GOAL, spread=(min(over_cold(loss)), max(over_cold(loss))),
-            notes=f"{median(total):.1f} s: detection {parts['detection_s']:.1f} s, rendezvous "
-                  f"{parts['rendezvous_s']:.1f} s, restart to the first step {parts['restart_s']:.1f} s; cold "
-                  f"start {median(cold):.1f} s; median of {len(rounds)} round(s)"),
+            notes=f"{median(total):.1f} s: {split(loss)}; cold start {median(cold):.1f} s; median of "
+                  f"{len(rounds)} round(s)"),
         Row("node lost: steps lost (trained, not in the checkpoint resumed), --checkpoint-every 5",
             median([case["lost_steps"] for case in loss]), notes=f"per round: {[c['lost_steps'] for c in loss]}"),
         Row("node joined: its start to the first step at 2 ranks / a cold start",
             median(over_cold(join)), RECOVERY_GOAL,
-            notes=f"{median([case['total_s'] for case in join]):.1f} s (the running workers stop, save, and start "
-                  f"again)"),
+            notes=f"{median([case['total_s'] for case in join]):.1f} s: {split(join)} (detection: the running "
+                  f"workers stop at their step and save)"),
         Row("node joined: steps lost", median([case["lost_steps"] for case in join]), Goal("<=", 0.0),
             notes=f"per round: {[c['lost_steps'] for c in join]}"),
         Row("node left gracefully (its agent got SIGTERM): to the first step after it / a cold start",
             median(over_cold(leave)), RECOVERY_GOAL,
-            notes=f"{median([case['total_s'] for case in leave]):.1f} s: every rank stops at one step and saves "
-                  f"{median([case['detection_s'] for case in leave]):.1f} s, rendezvous "
-                  f"{median([case['rendezvous_s'] for case in leave]):.1f} s, restart "
-                  f"{median([case['restart_s'] for case in leave]):.1f} s"),
+            notes=f"{median([case['total_s'] for case in leave]):.1f} s: {split(leave)} (detection: every rank "
+                  f"stops at one step and saves)"),
         Row("node left gracefully: steps lost", median([case["lost_steps"] for case in leave]), Goal("<=", 0.0),
             notes=f"per round: {[c['lost_steps'] for c in leave]}"),
     ]
@@ -124,8 +128,16 @@ def _recovery(agent: Agent, job: ElasticJob, out: Path, since: float, world: int
     if max(before, trained) < resumed_step:
         raise BenchError(f"resumed from step {resumed_step}, beyond the last step trained ({max(before, trained)}): "
                          f"the logs were misread")
+    # Rank 0's "resume" record (trainer.api.ResumeTiming), written once the checkpoint is restored.
+    resume = min((record for record in _records(out, "resume") if rendezvous < record["time"] < first_step),
+                 key=lambda record: record["time"], default=None)
+    if resume is None:
+        raise BenchError(f"no resume record between the rendezvous and the first step in {out / 'metrics.jsonl'}")
+    loading = resume["read_s"] + resume["build_s"] + resume["restore_s"]
     return {"total_s": first_step - since, "detection_s": stopped - since, "rendezvous_s": rendezvous - stopped,
-            "restart_s": first_step - rendezvous, "lost_steps": max(before, trained) - resumed_step}
+            "restart_s": first_step - rendezvous, "start_s": resume["time"] - loading - rendezvous,
+            "load_s": resume["read_s"] + resume["restore_s"], "build_s": resume["build_s"],
+            "first_step_s": first_step - resume["time"], "lost_steps": max(before, trained) - resumed_step}
 
 
 def _complete(agent: Agent, since: float) -> float:
@@ -139,8 +151,12 @@ def _resumes(job: ElasticJob, world: int) -> list[int]:
 
 
 def _train(out: Path) -> list[dict[str, Any]]:
+    return _records(out, "train")
+
+
+def _records(out: Path, kind: str) -> list[dict[str, Any]]:
     try:
-        return [record for record in read_metrics(out / "metrics.jsonl") if record["kind"] == "train"]
+        return [record for record in read_metrics(out / "metrics.jsonl") if record["kind"] == kind]
     except (BenchError, ValueError):  # not written yet, or a line being written
         return []
 

@@ -1,0 +1,78 @@
+"""A peer that is gone is told from one that is frozen, within a second: three real processes in a gloo group,
+two waiting in the store for the third (trainer.liveness.wait_for_all, as rank 0's checkpoint write is waited
+for). Killed, the third is named gone by its watcher (rank 1: the ring's) and both waiters stop at once, far
+before the silence limit; stopped (SIGSTOP), it is not gone, and the silence limit names it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from devtools.processes import free_port
+from trainer.config import DistConfig
+from trainer.distributed import init_process_group
+from trainer.errors import PeerLost
+from trainer.launchers import DistIdentity
+
+pytestmark = pytest.mark.timeout(120)
+SILENT_AFTER_S = 6.0  # --collective-timeout-s: the silence that names a frozen rank
+
+
+def _rank(rank: int, port: int, ready: mp.Queue[int], results: mp.Queue[tuple[int, str, float]]) -> None:
+    identity = DistIdentity(rank, 0, 3, 1, rank, 3, "127.0.0.1", port, "env", "h")
+    runtime = init_process_group(DistConfig(collective_timeout_s=SILENT_AFTER_S), identity, torch.device("cpu"))
+    ready.put(rank)
+    if rank == 2:
+        time.sleep(120)  # killed or stopped by the test meanwhile
+    started = time.monotonic()
+    try:
+        runtime.wait_for_all("the save")
+        results.put((rank, "returned", time.monotonic() - started))
+    except PeerLost as error:
+        results.put((rank, str(error), time.monotonic() - started))
+    except BaseException as error:  # noqa: BLE001 - told to the test, which fails on it
+        results.put((rank, f"{type(error).__name__}: {error}", time.monotonic() - started))
+    results.close()
+    results.join_thread()  # sent before the exit, which skips the queue's own flush
+    if rank == 0:
+        time.sleep(3)  # the store's host: rank 1 may still be reading it
+    os._exit(0)  # no teardown with a peer dead or stopped
+
+
+def waiters_after(fault: signal.Signals) -> dict[int, tuple[str, float]]:
+    context = mp.get_context("spawn")
+    ready, results = context.Queue(), context.Queue()
+    port = free_port()
+    ranks = [context.Process(target=_rank, args=(rank, port, ready, results)) for rank in range(3)]
+    for process in ranks:
+        process.start()
+    try:
+        for _ in ranks:
+            ready.get(timeout=60)
+        time.sleep(1)  # ranks 0 and 1 are waiting for rank 2
+        os.kill(ranks[2].pid, fault)
+        said = [results.get(timeout=30) for _ in range(2)]
+    finally:
+        for process in ranks:
+            process.kill()
+            process.join(timeout=10)
+    return {rank: (message, waited_s) for rank, message, waited_s in said}
+
+
+def test_a_killed_peer_is_named_gone_at_once_and_a_stopped_one_only_after_the_silence_limit():
+    killed = waiters_after(signal.SIGKILL)
+    for rank in (0, 1):  # rank 0 learns it from rank 1's watch, through the store
+        message, waited_s = killed[rank]
+        assert message.startswith("rank 2 is gone while the others waited for the save: its connection closed ("), \
+            killed
+        assert "Connection closed by peer" in message and waited_s < 1 + 3, killed  # the second before the kill
+    stopped = waiters_after(signal.SIGSTOP)
+    for rank in (0, 1):
+        message, waited_s = stopped[rank]
+        assert message.startswith("rank 2 stopped responding while the others waited for the save"), stopped
+        assert waited_s >= SILENT_AFTER_S, stopped
