@@ -37,7 +37,8 @@ class TimedSaves:
     def saved(self) -> None:
         """A checkpoint was written (whatever asked for it), on every rank at this step: the interval starts again."""
         self._last_save = self.clock()
-        self._next_is_stale = True
+        # One process votes with itself, at once: nothing is in flight.
+        self._next_is_stale = self.vote is not None and self.vote.group is not None
 
     def settle(self) -> None:
         """Where the training loop ends (every rank, same point): no vote left in flight."""
