@@ -154,7 +154,8 @@ def init_process_group(config: DistConfig, identity: DistIdentity, device: torch
         dist.init_process_group(backend, store=store, rank=identity.rank, world_size=identity.world_size,
                                 timeout=training_timeout)
         control = dist.new_group(backend="gloo", timeout=timeout)
-        liveness = Liveness(store, identity, config.collective_timeout_s, peer_watch=PeerWatch(identity))
+        watch = PeerWatch(store, identity, config.rendezvous_timeout_s)
+        liveness = Liveness(store, identity, config.collective_timeout_s, peer_watch=watch)
         return Runtime(identity, device, backend, liveness, control)
     return Runtime(identity, device, backend)
 

@@ -4,7 +4,8 @@
   without it, a node that joins a running job never completes the round.
 - A rendezvous that ends without the job is one line naming what it waited for, never torchrun's bare traceback
   of ``RendezvousTimeoutError`` (no message at all): fewer than MIN nodes came within ``join_timeout``, at the
-  start or after nodes were lost; or the round was closed (the job had ended) when this node came.
+  start or after nodes were lost; the round was closed (the job had ended) when this node came; or the node that
+  hosted the rendezvous ended while this one waited (exit 3 for each).
 
 Every argument is torchrun's, passed on unchanged.
 """
@@ -18,40 +19,56 @@ from collections.abc import Sequence
 from trainer.errors import EXIT_RENDEZVOUS
 from trainer.launchers import ELASTIC_AGENT_ENV
 
-DEFAULT_JOIN_TIMEOUT_S = 600  # torch.distributed.elastic.rendezvous.dynamic_rendezvous's, when --rdzv-conf has none
+# torch.distributed.elastic.rendezvous.dynamic_rendezvous's, when --rdzv-conf has none.
+DEFAULT_JOIN_TIMEOUT_S, DEFAULT_LAST_CALL_S = 600, 30
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     # Imported here: torch's launcher is only for this command, not for whoever imports the trainer.
-    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
+    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousClosedError,
+        RendezvousConnectionError,
+        RendezvousTimeoutError,
+    )
     from torch.distributed.run import parse_args, run
 
     for name, value in ELASTIC_AGENT_ENV.items():
         os.environ.setdefault(name, value)  # the workers inherit it too, harmlessly
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    job = f"the rendezvous of job {args.rdzv_id!r} at {args.rdzv_endpoint}"
     try:
-        run(args)
+        record(run)(args)  # as torchrun's own main: a failure's error file for launchers that read it
     except RendezvousTimeoutError:
-        print(f"ddp-torchrun: error: {waited_for(args.nnodes, args.rdzv_endpoint, args.rdzv_id, args.rdzv_conf)}",
-              file=sys.stderr, flush=True)
-        return EXIT_RENDEZVOUS
+        said = waited_for(args.nnodes, job, args.rdzv_conf)
     except RendezvousClosedError:
-        print(f"ddp-torchrun: error: the rendezvous of job {args.rdzv_id!r} at {args.rdzv_endpoint} is closed: "
-              f"that job has ended (finished, or failed on its other nodes); start a new job with another "
-              f"--rdzv-id", file=sys.stderr, flush=True)
-        return EXIT_RENDEZVOUS
-    return 0
+        said = (f"{job} is closed: that job has ended (finished, or failed on its other nodes); start a new job "
+                f"with another --rdzv-id")
+    except RendezvousConnectionError:
+        said = (f"{job} is gone: the node that hosted it ended (its own timeout, or it was lost) while this one "
+                f"waited; start the job again, the host's node first")
+    else:
+        return 0
+    print(f"ddp-torchrun: error: {said}. The checkpoints are intact: a job started again with the same "
+          f"--rdzv-id resumes from the newest", file=sys.stderr, flush=True)
+    return EXIT_RENDEZVOUS
 
 
-def waited_for(nnodes: str, endpoint: str, run_id: str, rdzv_conf: str) -> str:
+def waited_for(nnodes: str, job: str, rdzv_conf: str) -> str:
     """What a rendezvous that timed out was waiting for, and the fix."""
+    from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
+
     least = nnodes.split(":")[0]
-    conf = dict(item.split("=", 1) for item in rdzv_conf.split(",") if "=" in item)
-    join_timeout = conf.get("join_timeout", str(DEFAULT_JOIN_TIMEOUT_S))
-    return (f"the rendezvous of job {run_id!r} at {endpoint} waited {join_timeout} s (join_timeout) for at least "
-            f"{least} node(s) (--nnodes={nnodes}), and fewer came; start more nodes, lower the minimum of "
-            f"--nnodes, or raise --rdzv-conf=join_timeout. The checkpoints are intact: a job started again with "
-            f"the same --rdzv-id resumes from the newest")
+    conf = _parse_rendezvous_config(rdzv_conf)  # torch's own reading of it: spaces, separators
+    join_timeout = float(conf.get("join_timeout", DEFAULT_JOIN_TIMEOUT_S))
+    last_call = float(conf.get("last_call_timeout", DEFAULT_LAST_CALL_S))
+    if last_call >= join_timeout:
+        return (f"{job} waited {join_timeout:g} s (join_timeout) and no round closed: fewer than {least} node(s) "
+                f"came (--nnodes={nnodes}), or they came but the last call for more ({last_call:g} s, "
+                f"last_call_timeout) outlasts join_timeout; make --rdzv-conf's last_call_timeout shorter than its "
+                f"join_timeout, and start more nodes if fewer came")
+    return (f"{job} waited {join_timeout:g} s (join_timeout) for at least {least} node(s) (--nnodes={nnodes}), "
+            f"and fewer came; start more nodes, lower the minimum of --nnodes, or raise --rdzv-conf=join_timeout")
 
 
 if __name__ == "__main__":

@@ -203,8 +203,9 @@ class Liveness:
                 gone = self._answer(functools.partial(self._gone, pending))
                 if gone:
                     rank, said = gone
-                    raise PeerLost(f"rank {rank} is gone while the others waited for {what}: {said}; the process "
-                                   f"ended or its machine was lost, and its own log (if any) says why")
+                    raise PeerLost(f"rank {rank} is gone while the others waited for {what}: {said} (its process "
+                                   f"ended: crashed, killed, out of memory; or its machine was lost); its own log, "
+                                   f"if any, says why")
                 silent = watch.silent(pending, self.silent_after_s)
                 if silent:
                     rank, beat = silent[0]

@@ -26,7 +26,7 @@ from tests.support.k8s_containers import docker, image_present, run_containers
 from tests.support.k8s_manifests import config_maps, of_kind, render
 from tests.support.k8s_operator import admission_errors, pod_plans
 from tests.support.k8s_pods import Pod, PodResult, prepare
-from tests.support.k8s_processes import run_processes
+from tests.support.k8s_processes import PodLoss, run_processes
 from tests.support.preconditions import unavailable
 
 pytestmark = pytest.mark.slow
@@ -128,6 +128,38 @@ def test_job_applied_again_after_deletion_resumes_from_the_volume(tmp_path):
     assert first["resumed_from"] is None
     assert second["resumed_from"] == f"/mnt/ddp/ddp-train/checkpoints/step-{first['global_step']:08d}"
     assert second["epochs_completed"] == 2 and second["global_step"] == 2 * first["global_step"]
+
+
+def test_the_elastic_job_loses_a_pod_and_the_other_goes_on_alone_training_every_sample_once(tmp_path):
+    """k8s/overlays/elastic (minReplicas 1, maxReplicas 2): worker-1's pod is lost mid-epoch (every process of it
+    killed, as its node going down does), worker-0's torchrun re-forms the job alone and resumes from the newest
+    checkpoint. What a cluster adds (the operator does not start a replacement pod for an elastic job whose pod
+    failed: maxRestarts counts torchrun's restarts) is in docs/kubernetes.md."""
+    source, samples, batch = "k8s/overlays/elastic", 2048, 8
+    objects = render(source)
+    (job,) = of_kind(objects, "PyTorchJob")
+    maps = config_maps(objects)
+    long_enough = {"train": {"epochs": 1, "batch_size": batch}, "checkpoint": {"checkpoint_every": 10},
+                   "data": {"max_train_samples": samples, "max_test_samples": 256}}
+    maps[CONFIG_MAP][CONFIG_KEY] = edited(maps[CONFIG_MAP][CONFIG_KEY], long_enough, WITHOUT_GPUS)
+    claim = tmp_path / "claim"
+    claim.mkdir()
+    pods = []
+    for plan in pod_plans(job):
+        (tmp_path / "pods" / plan.name).mkdir(parents=True)
+        pods.append(prepare(plan, maps, {CLAIM: claim}, tmp_path / "pods" / plan.name))
+    assert [pod.name for pod in pods] == ["ddp-train-worker-0", "ddp-train-worker-1"]
+    if os.geteuid() != 0:
+        unavailable("pods run as processes in mount namespaces of their own: root only")
+    loss = PodLoss("ddp-train-worker-1", seen_in="ddp-train-worker-0", when=lambda log: "step-00000010 written" in log)
+    results = {result.name: result for result in run_processes(pods, tmp_path / "pods", BIN_DIR, TIMEOUT_S, loss)}
+    survivor, lost = results["ddp-train-worker-0"], results["ddp-train-worker-1"]
+    assert survivor.returncode == 0 and lost.returncode == -signal.SIGKILL, (survivor.log[-4000:], lost.log[-2000:])
+    final = summary(claim, source)
+    assert final["world_size"] == 1 and final["epochs_completed"] == 1, survivor.log[-4000:]
+    resumed = int(final["resumed_from"].rsplit("step-", 1)[1])
+    # Each step before the checkpoint resumed trained 2 x 8 samples, each one after it 8: the epoch's samples once.
+    assert resumed >= 10 and final["global_step"] == resumed + (samples - resumed * 2 * batch) // batch, final
 
 
 def test_torchrun_exits_1_after_sigterm_even_when_its_workers_exit_143(tmp_path):

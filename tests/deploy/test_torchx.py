@@ -299,6 +299,58 @@ def test_a_killed_worker_is_restarted_by_torchrun_and_the_job_resumes_from_the_c
     assert name == f"step-{final['global_step']:08d}"
 
 
+@pytest.mark.slow
+def test_an_elastic_job_that_loses_a_node_goes_on_alone_and_trains_every_sample_once(tmp_path):
+    """`-j 1:2x1`: two replicas (nodes) whose torchrun agents meet in a c10d rendezvous, --nnodes=1:2. One replica's
+    agent and worker are killed mid-epoch (its node lost): the other's agent restarts its worker at one rank, which
+    resumes from the newest checkpoint and ends the epoch. TorchX itself calls the app FAILED (a replica exited on
+    SIGKILL) and cannot add a replica to a running app: docs/elastic.md."""
+    samples, batch = 2048, 8
+    cmd = [str(VENV_BIN / "torchx"), "run", "-cfg", f"log_dir={tmp_path / 'logs'}", COMPONENT, "-j", "1:2x1",
+           "--rdzv_port", str(free_port()), "--output_dir", str(tmp_path / "out"), "--",
+           "--dataset", "synthetic", "--synthetic-train-size", str(samples), "--synthetic-test-size", "64",
+           "--batch-size", str(batch), "--epochs", "1", "--checkpoint-every", "10", "--progress", "off",
+           "--no-tensorboard", "--threads-per-rank", "1", "--log-every", "1000"]
+    process = subprocess.Popen(cmd, env=clean_env(TORCHX_ENV), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stderr is not None
+        seen = []
+        for line in process.stderr:
+            seen.append(line)
+            if "step-00000010 written" in line:
+                break
+        else:
+            raise AssertionError("the job ended before its first checkpoint:\n" + "".join(seen[-50:]))
+        agent = _replica_agent(process.pid, replica=1)
+        for pid in (agent, *_descendants(agent)):
+            os.kill(pid, signal.SIGKILL)
+        _, rest = process.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            process.wait(timeout=60)
+    final = summary(tmp_path / "out")
+    assert final["world_size"] == 1 and final["epochs_completed"] == 1, "".join(seen) + rest
+    resumed = int(final["resumed_from"].rsplit("step-", 1)[1])
+    # Each step before the checkpoint resumed trained 2 x 8 samples, each one after it 8: the epoch's samples once.
+    assert final["global_step"] == resumed + (samples - resumed * 2 * batch) // batch, (final, resumed)
+    assert "Job finished: FAILED" in rest, rest[-3000:]
+
+
+def _replica_agent(torchx_pid: int, replica: int) -> int:
+    """The torchrun agent of one replica (node) below the torchx CLI: its environment names the replica's logs."""
+    for pid in _descendants(torchx_pid):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except FileNotFoundError:
+            continue
+        if f"/trainer/{replica}/".encode() in environ and b"torchrun" in command:
+            return pid
+    raise AssertionError(f"no torchrun agent of replica {replica} below torchx pid {torchx_pid}")
+
+
 # The worked example (examples/forecast, installed in this venv as in its image) through TorchX: the
 # component's --task, and the example's own script (trainer.run) under TorchX's dist.ddp.
 EXAMPLE_ARGS = ["--epochs", "1", "--train-series", "8", "--eval-series", "4", "--length", "48", "--window", "16",

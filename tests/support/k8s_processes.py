@@ -24,8 +24,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+from devtools.processes import kill_tree
 from tests.support.k8s_pods import Pod, PodResult
 
 SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -38,8 +41,20 @@ def image_paths() -> list[Path]:
     return sorted(folders | {folder.resolve() for folder in folders})
 
 
-def run_processes(pods: list[Pod], workdir: Path, bin_dir: Path, timeout_s: float) -> list[PodResult]:
-    """Start every pod at once, as the operator does, and wait until all of them have exited."""
+@dataclass(frozen=True)
+class PodLoss:
+    """A pod lost while the job runs (its node gone): every process of it killed at once, as soon as ``when``
+    holds for the log of the pod ``seen_in``."""
+
+    pod: str
+    seen_in: str
+    when: Callable[[str], bool]
+
+
+def run_processes(pods: list[Pod], workdir: Path, bin_dir: Path, timeout_s: float,
+                  loss: PodLoss | None = None) -> list[PodResult]:
+    """Start every pod at once, as the operator does, and wait until all of them have exited (one of them lost
+    on the way, where ``loss`` says so)."""
     hosts = workdir / "hosts"
     hosts.write_text("127.0.0.1\tlocalhost\n"
                      + "".join(f"127.0.1.{number}\t{pod.name}\n" for number, pod in enumerate(pods, start=1)))
@@ -54,13 +69,18 @@ def run_processes(pods: list[Pod], workdir: Path, bin_dir: Path, timeout_s: floa
                 ["unshare", "--mount", "--uts", "--propagation", "private", "--", "sh", "-c", script],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)))
     deadline = time.monotonic() + timeout_s
+    logs = {pod.name: log for pod, log, _ in started}
     try:
-        for pod, _, process in started:
-            try:
-                process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+        while any(process.poll() is None for _, _, process in started):
+            if loss is not None and loss.when(logs[loss.seen_in].read_text(errors="replace")):
+                (lost,) = [process for pod, _, process in started if pod.name == loss.pod]
+                kill_tree(lost.pid)  # torchrun's workers are in sessions of their own: not in the pod's group
+                loss = None
+            if time.monotonic() > deadline:
+                running = [pod.name for pod, _, process in started if process.poll() is None]
                 tails = "\n".join(f"--- {p.name}\n{log.read_text()[-3000:]}" for p, log, _ in started)
-                raise AssertionError(f"pod {pod.name} still running after {timeout_s} s:\n{tails}") from None
+                raise AssertionError(f"pods {running} still running after {timeout_s} s:\n{tails}")
+            time.sleep(0.2)
     finally:
         for _, _, process in started:
             if process.poll() is None:
