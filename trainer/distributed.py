@@ -147,6 +147,7 @@ def init_process_group(config: DistConfig, identity: DistIdentity, device: torch
             # Rank 0 hosts the store on MASTER_PORT; the others wait for it to listen.
             wait_for_master(identity.master_addr, identity.master_port, config.rendezvous_timeout_s)
         store = _store(identity, config)
+        watch = PeerWatch(store, identity)  # its address published before any rank can wait for it
         # NCCL's watchdog ends the process at its timeout with no word of which rank was late: it is placed
         # after the trainer's own diagnosis (the control group's gloo timeout, the progress watchdog).
         training_timeout = timedelta(seconds=nccl_timeout_s(config.collective_timeout_s)) if backend == "nccl" \
@@ -154,7 +155,7 @@ def init_process_group(config: DistConfig, identity: DistIdentity, device: torch
         dist.init_process_group(backend, store=store, rank=identity.rank, world_size=identity.world_size,
                                 timeout=training_timeout)
         control = dist.new_group(backend="gloo", timeout=timeout)
-        watch = PeerWatch(store, identity, config.rendezvous_timeout_s)
+        watch.start(store, config.rendezvous_timeout_s)
         liveness = Liveness(store, identity, config.collective_timeout_s, peer_watch=watch)
         return Runtime(identity, device, backend, liveness, control)
     return Runtime(identity, device, backend)

@@ -44,9 +44,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RendezvousClosedError:
         said = (f"{job} is closed: that job has ended (finished, or failed on its other nodes); start a new job "
                 f"with another --rdzv-id")
-    except RendezvousConnectionError:
-        said = (f"{job} is gone: the node that hosted it ended (its own timeout, or it was lost) while this one "
-                f"waited; start the job again, the host's node first")
+    except RendezvousConnectionError as error:
+        cause = " ".join(str(error.__cause__ or error).split())[:200].rstrip(".") or type(error).__name__
+        said = (f"{job} cannot be reached ({cause}): a wrong --rdzv-endpoint, a host that does not accept "
+                f"connections on that port, or the node that hosted it ended while this one waited; check the "
+                f"endpoint, and start the host's node first")
     else:
         return 0
     print(f"ddp-torchrun: error: {said}. The checkpoints are intact: a job started again with the same "

@@ -96,6 +96,8 @@ class Liveness:
         return max(self.silent_after_s, STORE_READ_TIMEOUT_S)
 
     def close(self) -> None:
+        if self.peer_watch is not None:
+            self.peer_watch.close()
         self._stop.set()
         self._thread.join(timeout=STORE_READ_TIMEOUT_S)
         if self._watchdog is not None:
@@ -200,7 +202,7 @@ class Liveness:
                 pending = self._answer(functools.partial(self._not_done, prefix, pending))
                 if not pending:
                     break
-                gone = self._answer(functools.partial(self._gone, pending))
+                gone = self._answer(functools.partial(self._gone, prefix, pending))
                 if gone:
                     rank, said = gone
                     raise PeerLost(f"rank {rank} is gone while the others waited for {what}: {said} (its process "
@@ -223,16 +225,17 @@ class Liveness:
         except StoreSilent as silent_store:
             raise StoreSilent(f"{silent_store} (while the others waited for {what})") from None
 
-    def _gone(self, ranks: list[int]) -> tuple[int, str] | None:
-        """The first of ``ranks`` that a peer watch (trainer.peer_watch) found gone, and how: after publishing
-        what this rank's own watch found, for the ranks that wait elsewhere."""
+    def _gone(self, prefix: str, ranks: list[int]) -> tuple[int, str] | None:
+        """The first of ``ranks`` that a peer watch (trainer.peer_watch) found gone before it was done, and how:
+        after publishing what this rank's own watch found, for the ranks that wait elsewhere."""
         found = self.peer_watch.found() if self.peer_watch is not None else {}
         for rank, how in found.items():
             if rank not in self._published:
                 self._store.set(gone_key(rank), how)
                 self._published.add(rank)
         for rank in ranks:
-            if self._store.check([gone_key(rank)]):
+            # Done after all (it finished and ended between the two reads): not lost.
+            if self._store.check([gone_key(rank)]) and self._not_done(prefix, [rank]):
                 return rank, self._store.get(gone_key(rank)).decode(errors="replace")
         return None
 

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import threading
 import time
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from devtools.processes import free_port
@@ -19,6 +22,7 @@ from trainer.config import DistConfig
 from trainer.distributed import init_process_group, process_group
 from trainer.errors import PeerLost
 from trainer.launchers import DistIdentity
+from trainer.peer_watch import PeerWatch
 
 pytestmark = pytest.mark.timeout(120)
 SILENT_AFTER_S = 6.0  # --collective-timeout-s: the silence that names a frozen rank
@@ -27,6 +31,9 @@ SILENT_AFTER_S = 6.0  # --collective-timeout-s: the silence that names a frozen 
 def _rank(rank: int, port: int, ready: mp.Queue[int], results: mp.Queue[tuple[int, str, float]]) -> None:
     identity = DistIdentity(rank, 0, 3, 1, rank, 3, "127.0.0.1", port, "env", "h")
     runtime = init_process_group(DistConfig(collective_timeout_s=SILENT_AFTER_S), identity, torch.device("cpu"))
+    watch = runtime.liveness.peer_watch  # type: ignore[union-attr]
+    while watch.watching != (rank + 1) % 3:  # its connection to the next rank is made (2 cores can be slow)
+        time.sleep(0.05)
     ready.put(rank)
     if rank == 2:
         time.sleep(120)  # killed or stopped by the test meanwhile
@@ -69,8 +76,8 @@ def test_a_killed_peer_is_named_gone_at_once_and_a_stopped_one_only_after_the_si
     killed = waiters_after(signal.SIGKILL)
     for rank in (0, 1):  # rank 0 learns it from rank 1's watch, through the store
         message, waited_s = killed[rank]
-        assert message.startswith("rank 2 is gone while the others waited for the save: its connection closed (its "
-                                  "process ended"), killed
+        assert message.startswith("rank 2 is gone while the others waited for the save: its connection closed and "
+                                  "its port is closed (its process ended"), killed
         assert waited_s < 1 + 3, killed  # the second before the kill, and less than the silence limit
     stopped = waiters_after(signal.SIGSTOP)
     for rank in (0, 1):
@@ -96,3 +103,28 @@ def test_ranks_that_end_one_after_the_other_exit_0(delay_s):
     for process in ranks:
         process.join(timeout=60)
     assert [process.exitcode for process in ranks] == [0, 0, 0]
+
+
+def test_a_peer_that_cannot_be_verified_is_never_called_gone_and_close_ends_the_watch():
+    """An address other hosts cannot use (a loopback name on the peer's machine, a firewall: refused at once), or
+    one where something else answers: not watched, never gone (its heartbeat still tells). close() ends the
+    threads and sockets, as a process that runs several trainings needs."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed_port = probe.getsockname()[1]  # nothing listens there once this closes
+    stranger = socket.create_server(("127.0.0.1", 0))  # answers, but with no greeting
+    threads_before = {thread.name for thread in threading.enumerate()}
+    for address in (f"127.0.0.1 {closed_port} ddp-deploy 1 token",
+                    f"127.0.0.1 {stranger.getsockname()[1]} ddp-deploy 1 token"):
+        store = dist.HashStore()
+        store.set("ddp-deploy/watch-address/1", address)
+        watch = PeerWatch(store, DistIdentity(0, 0, 2, 1, 0, 2, "127.0.0.1", closed_port, "env", "h"))
+        watch.start(store, timeout_s=5)
+        time.sleep(1.5)
+        assert watch.found() == {} and watch.watching is None, address
+        watch.close()
+    stranger.close()
+    deadline = time.monotonic() + 5
+    while {thread.name for thread in threading.enumerate()} - threads_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not {thread.name for thread in threading.enumerate()} - threads_before
