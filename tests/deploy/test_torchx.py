@@ -11,6 +11,7 @@ import shlex
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -244,6 +245,28 @@ def test_project_component_trains_and_checkpoints(nodes, tmp_path):
     assert len(replica_logs) == nodes, "the per-node logs are kept in log_dir"
 
 
+def run_killing(cmd: list[str], after: str, kill: Callable[[int], None]) -> subprocess.CompletedProcess[str]:
+    """`torchx run` to its end, ``kill(torchx's pid)`` called once a line of its log holds ``after``."""
+    process = subprocess.Popen(cmd, env=clean_env(TORCHX_ENV), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stderr is not None
+        seen = []
+        for line in process.stderr:  # TorchX streams every rank's log here as it is written
+            seen.append(line)
+            if after in line:
+                break
+        else:
+            raise AssertionError(f"the job ended before {after!r}:\n" + "".join(seen[-50:]))
+        kill(process.pid)
+        stdout, rest = process.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if process.poll() is None:
+            process.terminate()  # TorchX stops the job's replicas when it gets SIGTERM
+            process.wait(timeout=60)
+    return subprocess.CompletedProcess(cmd, process.returncode, stdout, "".join(seen) + rest)
+
+
 def _descendants(pid: int) -> list[int]:
     children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True,
                               check=False).stdout.split()
@@ -270,24 +293,7 @@ def test_a_killed_worker_is_restarted_by_torchrun_and_the_job_resumes_from_the_c
            "--output_dir", str(tmp_path / "out"), "--",
            "--max-train-samples", "4096", "--max-test-samples", "1000", "--batch-size", "8", "--epochs", "2",
            "--checkpoint-every", "20", "--progress", "off", "--no-tensorboard"]
-    process = subprocess.Popen(cmd, env=clean_env(TORCHX_ENV), cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    try:
-        assert process.stderr is not None
-        seen = []
-        for line in process.stderr:  # TorchX streams every rank's log here as it is written
-            seen.append(line)
-            if "checkpoint" in line and "written" in line:
-                break
-        else:
-            raise AssertionError("the job ended before its first checkpoint:\n" + "".join(seen[-50:]))
-        os.kill(_worker(process.pid, rank=1), signal.SIGKILL)
-        stdout, rest = process.communicate(timeout=RUN_TIMEOUT_S)
-    finally:
-        if process.poll() is None:
-            process.terminate()  # TorchX stops the job's replicas when it gets SIGTERM
-            process.wait(timeout=60)
-    result = subprocess.CompletedProcess(cmd, process.returncode, stdout, "".join(seen) + rest)
+    result = run_killing(cmd, "step-00000020 written", lambda torchx: os.kill(_worker(torchx, rank=1), signal.SIGKILL))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Job finished: SUCCEEDED" in result.stderr
     final = summary(tmp_path / "out")
@@ -311,31 +317,18 @@ def test_an_elastic_job_that_loses_a_node_goes_on_alone_and_trains_every_sample_
            "--dataset", "synthetic", "--synthetic-train-size", str(samples), "--synthetic-test-size", "64",
            "--batch-size", str(batch), "--epochs", "1", "--checkpoint-every", "10", "--progress", "off",
            "--no-tensorboard", "--threads-per-rank", "1", "--log-every", "1000"]
-    process = subprocess.Popen(cmd, env=clean_env(TORCHX_ENV), cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    try:
-        assert process.stderr is not None
-        seen = []
-        for line in process.stderr:
-            seen.append(line)
-            if "step-00000010 written" in line:
-                break
-        else:
-            raise AssertionError("the job ended before its first checkpoint:\n" + "".join(seen[-50:]))
-        agent = _replica_agent(process.pid, replica=1)
+    def lose_node(torchx: int) -> None:
+        agent = _replica_agent(torchx, replica=1)
         for pid in (agent, *_descendants(agent)):
             os.kill(pid, signal.SIGKILL)
-        _, rest = process.communicate(timeout=RUN_TIMEOUT_S)
-    finally:
-        if process.poll() is None:
-            process.terminate()
-            process.wait(timeout=60)
+
+    result = run_killing(cmd, "step-00000010 written", lose_node)
     final = summary(tmp_path / "out")
-    assert final["world_size"] == 1 and final["epochs_completed"] == 1, "".join(seen) + rest
+    assert final["world_size"] == 1 and final["epochs_completed"] == 1, result.stderr[-3000:]
     resumed = int(final["resumed_from"].rsplit("step-", 1)[1])
     # Each step before the checkpoint resumed trained 2 x 8 samples, each one after it 8: the epoch's samples once.
     assert final["global_step"] == resumed + (samples - resumed * 2 * batch) // batch, (final, resumed)
-    assert "Job finished: FAILED" in rest, rest[-3000:]
+    assert "Job finished: FAILED" in result.stderr, result.stderr[-3000:]
 
 
 def _replica_agent(torchx_pid: int, replica: int) -> int:

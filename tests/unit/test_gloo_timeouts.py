@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from devtools.processes import free_port
+from tests.support.spawned import SPAWN, spawned
 from trainer.api import PEER_LOST, TIMED_OUT
 
 pytestmark = pytest.mark.timeout(90)
@@ -46,18 +47,9 @@ def _rank(rank: int, port: int, errors: mp.Queue[dict[str, str]]) -> None:
 
 
 def test_an_operation_whose_pair_another_timeout_closed_is_read_as_a_timeout():
-    context = mp.get_context("spawn")
-    errors = context.Queue()
-    port = free_port()
-    ranks = [context.Process(target=_rank, args=(rank, port, errors)) for rank in (0, 1)]
-    for process in ranks:
-        process.start()
-    try:
+    errors, port = SPAWN.Queue(), free_port()
+    with spawned(_rank, [(rank, port, errors) for rank in (0, 1)]):
         seen = errors.get(timeout=60)
-    finally:
-        for process in ranks:
-            process.join(timeout=10)
-            process.kill()
     assert "Timed out waiting" in seen["recv"] and "Application timeout caused pair closure" in seen["broadcast"], seen
     for message in seen.values():
         assert TIMED_OUT.search(message) and PEER_LOST.search(message), message

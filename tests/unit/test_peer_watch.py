@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from devtools.processes import free_port
+from tests.support.spawned import SPAWN, spawned
 from trainer.config import DistConfig
 from trainer.distributed import init_process_group, process_group
 from trainer.errors import PeerLost
@@ -53,22 +54,14 @@ def _rank(rank: int, port: int, ready: mp.Queue[int], results: mp.Queue[tuple[in
 
 
 def waiters_after(fault: signal.Signals) -> dict[int, tuple[str, float]]:
-    context = mp.get_context("spawn")
-    ready, results = context.Queue(), context.Queue()
-    port = free_port()
-    ranks = [context.Process(target=_rank, args=(rank, port, ready, results)) for rank in range(3)]
-    for process in ranks:
-        process.start()
-    try:
+    ready, results, port = SPAWN.Queue(), SPAWN.Queue(), free_port()
+    with spawned(_rank, [(rank, port, ready, results) for rank in range(3)]) as ranks:
         for _ in ranks:
             ready.get(timeout=60)
         time.sleep(1)  # ranks 0 and 1 are waiting for rank 2
         os.kill(ranks[2].pid, fault)
         said = [results.get(timeout=30) for _ in range(2)]
-    finally:
-        for process in ranks:
-            process.kill()
-            process.join(timeout=10)
+        ranks[2].kill()  # a stopped one too
     return {rank: (message, waited_s) for rank, message, waited_s in said}
 
 
@@ -95,13 +88,10 @@ def _exits(rank: int, port: int, delay_s: float) -> None:
 
 @pytest.mark.parametrize("delay_s", [0.0, 0.05, 0.2])
 def test_ranks_that_end_one_after_the_other_exit_0(delay_s):
-    context = mp.get_context("spawn")
     port = free_port()
-    ranks = [context.Process(target=_exits, args=(rank, port, delay_s)) for rank in range(3)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(timeout=60)
+    with spawned(_exits, [(rank, port, delay_s) for rank in range(3)]) as ranks:
+        for process in ranks:
+            process.join(timeout=60)
     assert [process.exitcode for process in ranks] == [0, 0, 0]
 
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from devtools.processes import free_port
+from tests.support.spawned import SPAWN, spawned
 from trainer.timed_saves import TimedSaves
 
 pytestmark = pytest.mark.timeout(90)
@@ -41,18 +42,9 @@ def _rank(rank: int, port: int, results: mp.Queue[tuple[int, list[int]]]) -> Non
 
 
 def test_every_rank_saves_at_the_same_steps_one_step_after_the_interval_passed_on_some_rank():
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
-    ranks = [context.Process(target=_rank, args=(rank, port, results)) for rank in (0, 1)]
-    for process in ranks:
-        process.start()
-    try:
-        saved = dict(results.get(timeout=60) for _ in ranks)
-    finally:
-        for process in ranks:
-            process.join(timeout=10)
-            process.kill()
+    results, port = SPAWN.Queue(), free_port()
+    with spawned(_rank, [(rank, port, results) for rank in (0, 1)]):
+        saved = dict(results.get(timeout=60) for _ in range(2))
     # Rank 1's clock passes 3 s at step 3 (voted then, agreed at step 4); the save at 4 starts the interval again
     # (3 s later, at step 7: saved at 8), and the vote cast at step 4, before that save, is not a save at 5.
     assert saved == {0: [4, 8, 12], 1: [4, 8, 12]}, saved
