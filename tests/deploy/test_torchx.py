@@ -6,6 +6,7 @@ repository's .torchxconfig, as a user would run it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -311,14 +312,17 @@ def test_an_elastic_job_that_loses_a_node_goes_on_alone_and_trains_every_sample_
     agent and worker are killed mid-epoch (its node lost): the other's agent restarts its worker at one rank, which
     resumes from the newest checkpoint and ends the epoch. TorchX itself calls the app FAILED (a replica exited on
     SIGKILL) and cannot add a replica to a running app: docs/elastic.md."""
-    samples, batch = 2048, 8
+    samples, batch, rendezvous_port = 2048, 8, free_port()
     cmd = [str(VENV_BIN / "torchx"), "run", "-cfg", f"log_dir={tmp_path / 'logs'}", COMPONENT, "-j", "1:2x1",
-           "--rdzv_port", str(free_port()), "--output_dir", str(tmp_path / "out"), "--",
+           "--rdzv_port", str(rendezvous_port), "--output_dir", str(tmp_path / "out"), "--",
            "--dataset", "synthetic", "--synthetic-train-size", str(samples), "--synthetic-test-size", "64",
            "--batch-size", str(batch), "--epochs", "1", "--checkpoint-every", "10", "--progress", "off",
            "--no-tensorboard", "--threads-per-rank", "1", "--log-every", "1000"]
     def lose_node(torchx: int) -> None:
-        agent = _replica_agent(torchx, replica=1)
+        # The node that does not host the rendezvous: on local_cwd both replicas name localhost, and whichever
+        # agent binds the port first serves it (a cluster puts it on replica 0's host).
+        host = _listening_pid(rendezvous_port)
+        agent = next(pid for pid in map(lambda replica: _replica_agent(torchx, replica), (0, 1)) if pid != host)
         for pid in (agent, *_descendants(agent)):
             os.kill(pid, signal.SIGKILL)
 
@@ -329,6 +333,22 @@ def test_an_elastic_job_that_loses_a_node_goes_on_alone_and_trains_every_sample_
     # Each step before the checkpoint resumed trained 2 x 8 samples, each one after it 8: the epoch's samples once.
     assert final["global_step"] == resumed + (samples - resumed * 2 * batch) // batch, (final, resumed)
     assert "Job finished: FAILED" in result.stderr, result.stderr[-3000:]
+
+
+def _listening_pid(port: int) -> int:
+    """The process that listens on a local TCP port (from /proc: the socket's inode, then whose fd it is)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[1].rsplit(":", 1)[1] == f"{port:04X}" and fields[3] == "0A":  # 0A: LISTEN
+                inodes.add(f"socket:[{fields[9]}]")
+    for process in Path("/proc").iterdir():
+        if process.name.isdigit():
+            with contextlib.suppress(OSError):
+                if any(os.readlink(fd) in inodes for fd in (process / "fd").iterdir()):
+                    return int(process.name)
+    raise AssertionError(f"nothing listens on port {port}")
 
 
 def _replica_agent(torchx_pid: int, replica: int) -> int:
