@@ -40,6 +40,7 @@ CONNECT_TIMEOUT_S = 10.0
 UNWATCHABLE = "-"  # a rank that could not listen: the walk stops there (its heartbeat still tells)
 RECONNECTS = 10  # a watch connection broken on the way (the peer alive) is made again this many times at most
 RECONNECT_TRIES, RECONNECT_PAUSE_S = 5, 0.2
+ACCEPT_PAUSE_S = 0.1
 
 
 def gone_key(rank: int) -> str:
@@ -104,7 +105,7 @@ class PeerWatch:
                 connection, _ = self._listener.accept()
                 connection.sendall(self._greeting)
             except OSError:
-                if self._closed.is_set():
+                if self._closed.wait(ACCEPT_PAUSE_S):  # closed, or a passing failure (no file descriptors left)
                     return
                 continue
             self._keep(connection)  # never read: closing it (this process's end) is the message
