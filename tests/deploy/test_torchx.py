@@ -246,10 +246,11 @@ def test_project_component_trains_and_checkpoints(nodes, tmp_path):
     assert len(replica_logs) == nodes, "the per-node logs are kept in log_dir"
 
 
-def run_killing(cmd: list[str], after: str, kill: Callable[[int], None]) -> subprocess.CompletedProcess[str]:
+def run_killing(cmd: list[str], after: str, kill: Callable[[int], None], env: dict[str, str] | None = None
+                ) -> subprocess.CompletedProcess[str]:
     """`torchx run` to its end, ``kill(torchx's pid)`` called once a line of its log holds ``after``."""
-    process = subprocess.Popen(cmd, env=clean_env(TORCHX_ENV), cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(cmd, env=clean_env({**TORCHX_ENV, **(env or {})}), cwd=REPO_ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert process.stderr is not None
         seen = []
@@ -326,7 +327,10 @@ def test_an_elastic_job_that_loses_a_node_goes_on_alone_and_trains_every_sample_
         for pid in (agent, *_descendants(agent)):
             os.kill(pid, signal.SIGKILL)
 
-    result = run_killing(cmd, "step-00000010 written", lose_node)
+    # The survivor's round closes 3 s after it is in, not torchrun's 30 s: local_cwd's replicas inherit the CLI's
+    # environment, and torchrun reads PET_RDZV_CONF (TorchX's --env cannot carry a value with '=' in it).
+    result = run_killing(cmd, "step-00000010 written", lose_node,
+                         {"PET_RDZV_CONF": "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3"})
     final = summary(tmp_path / "out")
     assert final["world_size"] == 1 and final["epochs_completed"] == 1, result.stderr[-3000:]
     resumed = int(final["resumed_from"].rsplit("step-", 1)[1])
