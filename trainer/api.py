@@ -148,17 +148,19 @@ def _exit_stuck(runtime: Runtime, diagnosis: str, checkpoints: CheckpointManager
 @dataclass
 class ResumeTiming:
     """Where a resumed process's start-up went (metrics.jsonl's "resume" record; figure 13 splits a membership
-    change's recovery with it): its start to the checkpoint's read, the read, the build, the restore."""
+    change's recovery with it): its start to the checkpoint's read, then each part timed by ``lap``."""
 
     started_s: float | None  # from the process's start to the read (None where the OS does not say)
-    clock: float = field(default_factory=time.perf_counter)
-    read_s: float = 0.0
-    build_s: float = 0.0
-    restore_s: float = 0.0
+    laps: dict[str, float] = field(default_factory=dict)
+    last: float = field(default_factory=time.perf_counter)
+
+    def lap(self, name: str) -> None:
+        """The time since the previous lap (or the start), as ``name``."""
+        now = time.perf_counter()
+        self.laps[name], self.last = now - self.last, now
 
     def values(self) -> dict[str, float]:
-        times = {"read_s": self.read_s, "build_s": self.build_s, "restore_s": self.restore_s}
-        return times if self.started_s is None else {"started_s": self.started_s, **times}
+        return self.laps if self.started_s is None else {"started_s": self.started_s, **self.laps}
 
 
 def write_config(output_dir: Path, shown_config: str) -> None:
@@ -175,19 +177,19 @@ def _prepare_and_fit(config: Config, task: RunTask, runtime: Runtime, checkpoint
     # The checkpoint is read, and its fit to this run checked, before the data and model are built.
     timing = ResumeTiming(seconds_since_process_start())
     loaded = checkpoints.load(config.checkpoint.resume)
-    timing.read_s = time.perf_counter() - timing.clock
+    timing.lap("read_s")
     if loaded is not None:
         for change in check_resume(loaded, config, task):
             log.info("resuming with a change: %s", change)
     setup = build_training(config, task, runtime,
                            None if loaded is None else checkpoint_layout(loaded.state.model))
     trainer = Trainer(config, runtime, setup, checkpoints, watcher, log, tracking)
-    timing.build_s = time.perf_counter() - timing.clock - timing.read_s
+    timing.lap("build_s")
     try:
         if loaded is not None:
             # Agreed: under --sync fsdp each rank reads its own shards, and may be the only one to fail.
             agreed(runtime, lambda: trainer.restore(loaded), CheckpointError)
-            timing.restore_s = time.perf_counter() - timing.clock - timing.read_s - timing.build_s
+            timing.lap("restore_s")
             trainer.record_resume(timing.values())
             if config.checkpoint.init_from and runtime.is_main:
                 log.info("--init-from is for a fresh start: this run resumes from %s instead", loaded.location)

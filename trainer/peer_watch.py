@@ -114,8 +114,9 @@ class PeerWatch:
         for rank, address in ahead:
             if address == UNWATCHABLE:
                 return
-            host, port, greeting = address.split(" ", 2)
-            connection, _ = self._connect(host, int(port), greeting)
+            host, number, greeting = address.split(" ", 2)
+            port = int(number)
+            connection, _ = self._connect(host, port, greeting)
             for _ in range(RECONNECTS):
                 if connection is None:
                     self.watching = None
@@ -125,9 +126,10 @@ class PeerWatch:
                     connection.recv(1)  # returns (or fails) only when the connection ends
                 if self._closed.is_set():
                     return
+                self._drop(connection)
                 # The peer's kernel closed or reset it. Gone if its port is closed too (refused); a peer that
                 # answers again (the connection broken on the way) is watched again.
-                connection, refused = self._reconnect(host, int(port), greeting)
+                connection, refused = self._reconnect(host, port, greeting)
                 if refused:
                     with self._lock:
                         self._gone[rank] = "its connection closed and its port is closed"
@@ -139,7 +141,7 @@ class PeerWatch:
         """After the connection ended: a process that ends closes its connections one by one, and its listening
         port can still take a connection for a moment (closed then without a greeting): asked again, shortly."""
         for _ in range(RECONNECT_TRIES):
-            connection, refused = self._connect(host, int(port), greeting)
+            connection, refused = self._connect(host, port, greeting)
             if connection is not None or refused or self._closed.wait(RECONNECT_PAUSE_S):
                 return connection, refused
         return None, False
@@ -170,6 +172,13 @@ class PeerWatch:
                 connection.close()
                 return
             self._sockets.append(connection)
+
+    def _drop(self, connection: socket.socket) -> None:
+        """A watch connection that ended: closed, not kept until the end of the group."""
+        with self._lock:
+            if connection in self._sockets:
+                self._sockets.remove(connection)
+        connection.close()
 
     def _forget_in_child(self) -> None:
         for each in self._sockets:

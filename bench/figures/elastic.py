@@ -26,7 +26,6 @@ from bench.harness.launch import BenchError, read_metrics, run_trainer
 from bench.harness.measure import load_average, median
 from bench.harness.results import FigureResult, Goal, Row
 from devtools.elastic import Agent, ElasticJob
-from trainer.launchers import ELASTIC_AGENT_ENV
 
 TITLE = "Elastic membership change (2 agents of 1 rank, loopback): recovery and lost work"
 ARGS = ("--dataset", "synthetic", "--synthetic-train-size", "4096", "--synthetic-test-size", "64", "--batch-size",
@@ -85,7 +84,7 @@ def run(ctx: Context) -> FigureResult:
 def _round(work: Path) -> dict[str, Any]:
     out = work / "run"
     job = ElasticJob(work, [*ARGS, "--output-dir", str(out)], run_id=f"bench-{work.name}",
-                     env={**ELASTIC_AGENT_ENV, "LOGLEVEL": "INFO"})  # INFO: the agents log each rendezvous
+                     env={"LOGLEVEL": "INFO"})  # INFO: the agents log each rendezvous
     try:
         first = job.start("first")  # serves the rendezvous: it stays
         time.sleep(1)

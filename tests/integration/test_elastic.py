@@ -85,9 +85,9 @@ def test_nodes_lost_mid_epoch_and_one_added_later_the_job_goes_on_by_itself_trai
     # seconds to start).
     rendezvous = FAST_RENDEZVOUS.replace("last_call_timeout=1", "last_call_timeout=5") if loss.nodes > 1 else \
         FAST_RENDEZVOUS
-    job = ElasticJob(tmp_path, args, nnodes=f"1:{1 + loss.nodes}", rdzv_conf=rendezvous,
-                     module="tests.workers.slow_storage" if loss.during_save else "trainer",
-                     env={"SLOW_SAVE_S": "0", "LOGLEVEL": "INFO"})
+    module, env = "tests.workers.slow_storage" if loss.during_save else "trainer", {"SLOW_SAVE_S": "0"}
+    job = ElasticJob(tmp_path, args, nnodes=f"1:{1 + loss.nodes}", rdzv_conf=rendezvous, module=module,
+                     env={**env, "LOGLEVEL": "INFO"})
     first = job.start("first")  # serves the rendezvous: it must stay
     time.sleep(1)
     lost = [job.start(f"lost-{index}", slow) for index in range(loss.nodes)]
@@ -104,9 +104,7 @@ def test_nodes_lost_mid_epoch_and_one_added_later_the_job_goes_on_by_itself_trai
         job.wait_for(lambda: "[rank 0/1] INFO resumed from" in first.text(), "the survivor to resume alone")
         joined = job.start("joined")
         # Meanwhile, an unrelated job on the same checkpoint folder is still refused.
-        other = torchrun(args, nproc=1, timeout_s=120,
-                         module="tests.workers.slow_storage" if loss.during_save else "trainer",
-                         env={"SLOW_SAVE_S": "0", "LOGLEVEL": "INFO"})
+        other = torchrun(args, nproc=1, timeout_s=120, module=module, env=env)
         held = re.search(r"is (in use by another job \(|kept by job )torchrun-elastic-test", other.stderr)
         assert other.returncode != 0 and held, other.stderr[-3000:]
         for agent in (first, joined):
