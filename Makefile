@@ -93,7 +93,7 @@ k8s-validate: venv ## render every manifest and overlay; check them against the 
 
 k8s-test: venv ## k8s-validate, then every PyTorchJob executed: its pods as processes (root) and containers
 	$(BIN)/pytest -q -ra tests/deploy/test_k8s_manifests.py tests/deploy/test_k8s_operator.py \
-	  tests/deploy/test_k8s_kind.py tests/deploy/test_k8s_jobs.py
+	  tests/deploy/test_k8s_kind.py tests/deploy/test_k8s_jobs.py $(PYTEST_ARGS)
 
 kind-up: ## kind cluster + training operator v1.9.4 + image, then apply k8s/overlays/kind
 	scripts/kind-cluster.sh up

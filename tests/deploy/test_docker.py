@@ -28,6 +28,7 @@ import pytest
 
 from devtools.processes import REPO_ROOT, free_port
 from tests.support.checkpoint_reading import newest_checkpoint, summary
+from tests.support.ledger_checks import assert_each_sample_trained_once, ledger, segments, step_sizes
 from tests.support.preconditions import unavailable
 from trainer.launchers import ELASTIC_AGENT_ENV
 
@@ -132,6 +133,13 @@ class Project:
         started = self.compose("up", "--detach", "--no-build", "--pull", "never", **settings)
         assert started.returncode == 0, started.stderr
 
+    def scale(self, nodes: int, **settings: str) -> None:
+        """`docker compose up --scale node=N` on the running project: stops and removes the containers above N,
+        or starts new ones, and leaves the others as they are."""
+        scaled = self.compose("up", "--detach", "--no-build", "--pull", "never", "--no-recreate", "--scale",
+                              f"node={nodes}", **settings)
+        assert scaled.returncode == 0, scaled.stderr
+
     def states(self) -> dict[str, dict[str, Any]]:
         """Each container's name -> its Docker state and restart count."""
         listed = docker("ps", "--all", "--quiet", "--filter", f"label=com.docker.compose.project={self.name}")
@@ -194,9 +202,11 @@ def test_compose_takes_node_count_ranks_epochs_and_dataset_from_the_environment(
     node = project.rendered()["services"]["node"]
     assert node["deploy"]["replicas"] == 3
     command = node["command"]
-    for expected in ("--nnodes=3", "--nproc-per-node=4", "--epochs=5", "--dataset=synthetic",
+    for expected in ("--nnodes=3:3", "--nproc-per-node=4", "--epochs=5", "--dataset=synthetic",
                      f"--rdzv-endpoint={project.container(1)}:29400"):
         assert expected in command
+    elastic = Project(tmp_path, {"NODES": "3", "MIN_NODES": "1"}).rendered()["services"]["node"]["command"]
+    assert elastic[:2] == ["ddp-torchrun", "--nnodes=1:3"]
 
 
 def test_compose_defaults_give_two_nodes_of_two_ranks_safely_configured(tmp_path):
@@ -422,6 +432,38 @@ def test_a_crashed_node_restarted_by_its_policy_rejoins_and_the_run_finishes_fro
     assert final["world_size"] == 4 and sorted(rank["rank"] for rank in final["ranks"]) == [0, 1, 2, 3]
     _, manifest, _ = newest_checkpoint(run_dir / "checkpoints")
     assert final["epochs_completed"] == 2 and (manifest["epoch"], manifest["step"]) == (2, final["global_step"])
+
+
+# Elastic: the ledger task (tests/support/ledger.py, mounted as USER_CODE) of 384 samples, each step held 0.3 s,
+# one rank per node between 1 and 2 nodes: 48 steps at two nodes, 96 at one, time for the scaling in between.
+ELASTIC_SAMPLES, ELASTIC_BATCH = 384, 4
+ELASTIC_RUN = {"NODES": "2", "MIN_NODES": "1", "RANKS_PER_NODE": "1", "MAX_RESTARTS": "3", "EPOCHS": "1",
+               "BATCH_SIZE": str(ELASTIC_BATCH), "CHECKPOINT_EVERY": "2", "RDZV_TIMEOUT_S": "120",
+               "COLLECTIVE_TIMEOUT_S": "120", "USER_CODE": str(REPO_ROOT / "tests" / "support"),
+               "TASK_FLAGS": f"--task=ledger:PacedLedgerTask --train-size={ELASTIC_SAMPLES} --step-delay-s=0.3",
+               "TRAIN_FLAGS": "--optimizer=sgd --momentum=0 --lr=1 --schedule=constant --no-tensorboard"}
+
+
+@pytest.mark.docker
+def test_scaled_down_then_up_the_job_goes_on_by_itself_at_each_size_training_every_sample_once(project, tmp_path):
+    project.start(**ELASTIC_RUN)
+    project.wait_for_log_line(r"step-00000004 written", timeout_s=RUN_TIMEOUT_S)
+    # Compose stops node-2 (SIGTERM: every rank stops at one step and saves) and removes it; node-1, which hosts
+    # the rendezvous, goes on alone.
+    project.scale(1, **ELASTIC_RUN)
+    project.wait_for_log_line(r"\[rank 0/1\] INFO resumed from", timeout_s=RUN_TIMEOUT_S)
+    assert list(project.states()) == [project.container(1)]
+    project.scale(2, **ELASTIC_RUN)  # a new node-2: the running rank saves, and the job grows back
+    for index in (1, 2):
+        assert project.wait(project.container(index), timeout_s=RUN_TIMEOUT_S) == 0, project.logs()[-6000:]
+    logs = project.logs()
+    resumes = segments([logs])
+    assert [world for world, _ in resumes] == [1, 2], logs[-6000:]
+    sizes = step_sizes(ELASTIC_SAMPLES, ELASTIC_BATCH, 2, resumes)
+    assert resumes[1][1] < len(sizes), "the job grew back before the end of the epoch"
+    assert_each_sample_trained_once(ledger(project.copy_runs(tmp_path)), sizes)
+    # Every start of the ranks was the same job: none refused by the lease, and nothing was lost.
+    assert "in use by another job" not in logs and "final test (loss" in logs, logs[-6000:]
 
 
 # The worked example (examples/forecast) as a user brings it to Compose: an image derived from ours running

@@ -24,10 +24,12 @@ import yaml
 
 from tests.support.k8s_containers import docker, image_present, run_containers
 from tests.support.k8s_manifests import config_maps, of_kind, render
-from tests.support.k8s_operator import admission_errors, pod_plans
+from tests.support.k8s_operator import PodPlan, admission_errors, pod_plans
 from tests.support.k8s_pods import Pod, PodResult, prepare
 from tests.support.k8s_processes import PodLoss, run_processes
 from tests.support.preconditions import unavailable
+from tests.support.trainer_v2 import admission_errors as trainjob_admission_errors
+from tests.support.trainer_v2 import pod_plans as trainer_v2_pods
 
 pytestmark = pytest.mark.slow
 
@@ -130,36 +132,55 @@ def test_job_applied_again_after_deletion_resumes_from_the_volume(tmp_path):
     assert second["epochs_completed"] == 2 and second["global_step"] == 2 * first["global_step"]
 
 
-def test_the_elastic_job_loses_a_pod_and_the_other_goes_on_alone_training_every_sample_once(tmp_path):
-    """k8s/overlays/elastic (minReplicas 1, maxReplicas 2): worker-1's pod is lost mid-epoch (every process of it
-    killed, as its node going down does), worker-0's torchrun re-forms the job alone and resumes from the newest
-    checkpoint. What a cluster adds (the operator does not start a replacement pod for an elastic job whose pod
-    failed: maxRestarts counts torchrun's restarts) is in docs/kubernetes.md."""
-    source, samples, batch = "k8s/overlays/elastic", 2048, 8
-    objects = render(source)
-    (job,) = of_kind(objects, "PyTorchJob")
-    maps = config_maps(objects)
+def loses_a_pod_and_goes_on_alone(source: str, plans: list[PodPlan], tmp_path: Path) -> None:
+    """The elastic job of ``source`` (two pods, at least one) started as ``plans`` says; the second pod is lost
+    mid-epoch (every process of it killed, as its node going down does), the first one's torchrun re-forms the job
+    alone and resumes from the newest checkpoint, and trains every sample of the epoch once."""
+    samples, batch = 2048, 8
+    maps = config_maps(render(source))
     long_enough = {"train": {"epochs": 1, "batch_size": batch}, "checkpoint": {"checkpoint_every": 10},
                    "data": {"max_train_samples": samples, "max_test_samples": 256}}
     maps[CONFIG_MAP][CONFIG_KEY] = edited(maps[CONFIG_MAP][CONFIG_KEY], long_enough, WITHOUT_GPUS)
     claim = tmp_path / "claim"
     claim.mkdir()
     pods = []
-    for plan in pod_plans(job):
+    for plan in plans:
         (tmp_path / "pods" / plan.name).mkdir(parents=True)
         pods.append(prepare(plan, maps, {CLAIM: claim}, tmp_path / "pods" / plan.name))
-    assert [pod.name for pod in pods] == ["ddp-train-worker-0", "ddp-train-worker-1"]
     if os.geteuid() != 0:
         unavailable("pods run as processes in mount namespaces of their own: root only")
-    loss = PodLoss("ddp-train-worker-1", seen_in="ddp-train-worker-0", when=lambda log: "step-00000010 written" in log)
+    first, second = (pod.name for pod in pods)
+    loss = PodLoss(second, seen_in=first, when=lambda log: "step-00000010 written" in log)
     results = {result.name: result for result in run_processes(pods, tmp_path / "pods", BIN_DIR, TIMEOUT_S, loss)}
-    survivor, lost = results["ddp-train-worker-0"], results["ddp-train-worker-1"]
+    survivor, lost = results[first], results[second]
     assert survivor.returncode == 0 and lost.returncode == -signal.SIGKILL, (survivor.log[-4000:], lost.log[-2000:])
     final = summary(claim, source)
     assert final["world_size"] == 1 and final["epochs_completed"] == 1, survivor.log[-4000:]
     resumed = int(final["resumed_from"].rsplit("step-", 1)[1])
     # Each step before the checkpoint resumed trained 2 x 8 samples, each one after it 8: the epoch's samples once.
     assert resumed >= 10 and final["global_step"] == resumed + (samples - resumed * 2 * batch) // batch, final
+
+
+def test_the_elastic_job_loses_a_pod_and_the_other_goes_on_alone_training_every_sample_once(tmp_path):
+    """k8s/overlays/elastic (minReplicas 1, maxReplicas 2): worker-1's pod is lost. What a cluster adds (the
+    operator does not start a replacement pod for an elastic job whose pod failed: maxRestarts counts torchrun's
+    restarts) is in docs/kubernetes.md."""
+    (job,) = of_kind(render("k8s/overlays/elastic"), "PyTorchJob")
+    plans = pod_plans(job)
+    assert [plan.name for plan in plans] == ["ddp-train-worker-0", "ddp-train-worker-1"]
+    loses_a_pod_and_goes_on_alone("k8s/overlays/elastic", plans, tmp_path)
+
+
+def test_the_elastic_trainjob_loses_a_node_and_the_other_goes_on_alone_training_every_sample_once(tmp_path):
+    """k8s/overlays/trainjob-elastic (--nnodes=1:2, numNodes 2) with the pods and variables Trainer v2 and JobSet
+    give it (tests/support/trainer_v2.py): node 0 serves the rendezvous at PET_MASTER_ADDR, the name JobSet's
+    headless Service gives it; node 1's pod is lost. What a cluster adds (the Job controller replaces the failed
+    pod, which joins) is in docs/kubernetes.md."""
+    (trainjob,) = of_kind(render("k8s/overlays/trainjob-elastic"), "TrainJob")
+    assert trainjob_admission_errors(trainjob) == []
+    plans = trainer_v2_pods(trainjob)
+    assert [plan.name for plan in plans] == ["ddp-train-node-0-0", "ddp-train-node-0-1"]
+    loses_a_pod_and_goes_on_alone("k8s/overlays/trainjob-elastic", plans, tmp_path)
 
 
 def test_torchrun_exits_1_after_sigterm_even_when_its_workers_exit_143(tmp_path):

@@ -6,6 +6,8 @@ on the base, each overlay and the Trainer v2 variant.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -16,9 +18,22 @@ import kubernetes_validate
 import pytest
 
 from devtools.processes import REPO_ROOT
-from tests.support.k8s_manifests import K8S_DIR, PLAIN_DIR, SOURCES, Obj, config_maps, images, of_kind, render
+from tests.support.k8s_manifests import (
+    K8S_DIR,
+    PLAIN_DIR,
+    SOURCES,
+    TRAINJOB_SOURCES,
+    Obj,
+    config_maps,
+    images,
+    of_kind,
+    render,
+)
 from tests.support.k8s_operator import CONTAINER, PodPlan, admission_errors, pod_plans
+from tests.support.k8s_pods import pod_command
 from tests.support.kubeflow_api import CHECKS, api_errors
+from tests.support.trainer_v2 import admission_errors as trainjob_admission_errors
+from tests.support.trainer_v2 import pod_plans as trainer_v2_pods
 from trainer.cli import layout, parse_config
 from trainer.config import Config
 from trainer.launchers import ELASTIC_AGENT_ENV
@@ -26,7 +41,7 @@ from trainer.task import RunTask
 
 # The oldest Kubernetes the training operator v1.9 supports, and the newest schema known offline.
 KUBERNETES_VERSIONS = ("1.28.0", kubernetes_validate.latest_version())
-PYTORCHJOB_SOURCES = tuple(source for source in SOURCES if source != "k8s/trainer-v2")
+PYTORCHJOB_SOURCES = tuple(source for source in SOURCES if source not in TRAINJOB_SOURCES)
 # torchrun's agent kills its workers this long after forwarding SIGTERM to them.
 TORCHRUN_SHUTDOWN_S = 30
 
@@ -279,13 +294,29 @@ def test_multi_node_jobs_share_one_volume_across_nodes():
         assert claim["spec"]["accessModes"] == ["ReadWriteMany"], source
 
 
-def test_trainjob_runs_torchrun_in_the_torch_runtime(tmp_path):
-    (trainjob,) = of_kind(render("k8s/trainer-v2"), "TrainJob")
+@pytest.mark.parametrize("source", TRAINJOB_SOURCES)
+def test_trainjob_runs_torchrun_in_the_torch_runtime(source):
+    (trainjob,) = of_kind(render(source), "TrainJob")
     trainer = trainjob["spec"]["trainer"]
     assert trainjob["spec"]["runtimeRef"]["name"] == "torch-distributed"
     # Trainer v2 sets only PET_* variables: without torchrun the trainer would not know its rank.
-    assert trainer["command"][0] == "torchrun"
-    assert not any(e["name"].startswith("PET_") for e in trainer.get("env", []))
+    assert trainer["command"][0] in ("torchrun", "ddp-torchrun")
+    assert trainjob_admission_errors(trainjob) == []  # no variable of those Trainer v2 sets itself
+
+
+def test_the_elastic_trainjob_sets_its_node_bounds_where_trainer_v2_lets_it():
+    """Setting PET_NNODES=1:2 in the trainer's env, as for torchrun alone, is refused by Trainer v2's webhook; the
+    overlay gives the bounds on torchrun's command line instead, which wins over the PET_NNODES the plugin sets."""
+    (trainjob,) = of_kind(render("k8s/overlays/trainjob-elastic"), "TrainJob")
+    as_env = copy.deepcopy(trainjob)
+    as_env["spec"]["trainer"]["env"].append({"name": "PET_NNODES", "value": "1:2"})
+    assert trainjob_admission_errors(as_env) == [
+        "spec.trainer.env: must not have reserved envs, invalid envs configured: ['PET_NNODES']"]
+    plans = trainer_v2_pods(trainjob)
+    commands = [pod_command(plan) for plan in plans]
+    assert all("--nnodes=1:2" in command and "--rdzv-endpoint=ddp-train-node-0-0.ddp-train:29500" in command
+               for command in commands), commands
+    assert len(plans) == trainjob["spec"]["trainer"]["numNodes"] == 2
 
 
 
@@ -324,7 +355,7 @@ def test_make_k8s_image_points_every_manifest_and_overlay_at_the_registry(k8s_co
     changed = {path.relative_to(k8s_copy).as_posix() for path, text in before.items() if path.read_text() != text}
     assert changed == {"k8s/components/image/kustomization.yaml", "k8s/pytorchjob.yaml"}
     expected = {PLAIN_DIR: {cpu}, "k8s/base": {cpu}, "k8s/overlays/elastic": {cpu}, "k8s/trainer-v2": {cpu},
-                "k8s/overlays/sharded": {cpu}, "k8s/overlays/tracking": {cpu},
+                "k8s/overlays/trainjob-elastic": {cpu}, "k8s/overlays/sharded": {cpu}, "k8s/overlays/tracking": {cpu},
                 "k8s/overlays/gpu-single-node": {cuda}, "k8s/overlays/gpu-multi-node": {cuda},
                 # Local images by design: the one kind loads onto its node, and the example's derived image.
                 "k8s/overlays/kind": {"ddp-deploy:latest"}, "k8s/overlays/example": {"ddp-forecast:latest"}}
@@ -385,8 +416,7 @@ def job_variables(plan: PodPlan) -> dict[str, str]:
     from tests.support.k8s_pods import environment
 
     container = {**plan.container, "env": [e for e in plan.container.get("env", []) if e["name"].startswith("DDP_")]}
-    return environment(PodPlan(plan.name, plan.replica_type, plan.index, {"spec": {"containers": [container]}}, (),
-                               plan.namespace, plan.labels))
+    return environment(dataclasses.replace(plan, template={"spec": {"containers": [container]}}, operator_env=()))
 
 
 @pytest.mark.parametrize("source", PYTORCHJOB_SOURCES)
@@ -411,7 +441,5 @@ def test_two_jobs_of_one_name_in_two_namespaces_are_two_jobs_and_a_recreated_pod
 
 def test_a_trainjobs_nodes_are_named_by_namespace_and_trainjob():
     (trainjob,) = of_kind(render("k8s/trainer-v2"), "TrainJob")
-    node = {"name": CONTAINER, "env": trainjob["spec"]["trainer"]["env"]}
-    plan = PodPlan("ddp-train-node-0-0", "node", 0, {"spec": {"containers": [node]}}, (), "team-a",
-                   (("jobset.sigs.k8s.io/jobset-name", trainjob["metadata"]["name"]),))
-    assert job_variables(plan)["DDP_JOB_ID"] == "trainjob/team-a/ddp-train"
+    trainjob["metadata"]["namespace"] = "team-a"
+    assert {job_variables(plan)["DDP_JOB_ID"] for plan in trainer_v2_pods(trainjob)} == {"trainjob/team-a/ddp-train"}

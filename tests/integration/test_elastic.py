@@ -16,14 +16,15 @@ import pytest
 
 from devtools.elastic import FAST_RENDEZVOUS, ElasticJob
 from devtools.processes import torchrun
-from tests.integration.test_resize import LEDGER, assert_each_sample_trained_once, ledger
+from tests.integration.test_resize import LEDGER
+from tests.support.ledger_checks import assert_each_sample_trained_once, ledger, segments, step_sizes
 
 pytestmark = pytest.mark.slow
 
 # The ledger task's epoch, long enough at one rank (about 40 steps after the loss) for a node to join mid-epoch
 # (the join takes 10-15 s here).
 SAMPLES, BATCH = 192, 4
-PACED = [*[arg if arg != "tests.support.tasks:LedgerTask" else "tests.support.tasks:PacedLedgerTask"
+PACED = [*[arg if arg != "tests.support.ledger:LedgerTask" else "tests.support.ledger:PacedLedgerTask"
            for arg in LEDGER if arg != "--sample-log"], "--train-size", str(SAMPLES), "--step-delay-s", "0.4"]
 STEP = re.compile(r"\Astep-(\d+)")
 
@@ -33,29 +34,6 @@ def checkpoint_folders(run: Path) -> dict[str, int]:
     folder = run / "checkpoints"
     found = {entry.name: STEP.match(entry.name) for entry in folder.iterdir()} if folder.is_dir() else {}
     return {name: int(match.group(1)) for name, match in found.items() if match}
-
-
-RESUMED = re.compile(r"\[rank 0/(\d+)\] INFO resumed from \S+step-(\d+)\S*: epoch")
-
-
-def segments(logs: list[str]) -> list[tuple[int, int]]:
-    """(world size, the step it resumed from) of each start of the workers after the first, in order: each
-    resumes a newer checkpoint than the one before."""
-    return sorted(((int(m.group(1)), int(m.group(2))) for text in logs for m in RESUMED.finditer(text)),
-                  key=lambda segment: segment[1])
-
-
-def step_sizes(first_world: int, resumes: list[tuple[int, int]]) -> list[int]:
-    """The samples of each step the final checkpoint's history holds: each segment's steps until the next segment
-    resumed (what it trained beyond that checkpoint was rolled back), the last one to the end of the epoch."""
-    sizes: list[int] = []
-    world = first_world
-    for next_world, resumed_step in [*resumes, (0, None)]:
-        while (resumed_step is None or len(sizes) < resumed_step) and sum(sizes) < SAMPLES:
-            sizes.append(min(world * BATCH, SAMPLES - sum(sizes)))
-        assert resumed_step is None or len(sizes) == resumed_step, (resumes, sizes)
-        world = next_world
-    return sizes
 
 
 @dataclass(frozen=True)
@@ -115,7 +93,7 @@ def test_nodes_lost_mid_epoch_and_one_added_later_the_job_goes_on_by_itself_trai
     logs = [agent.text() for agent in job.agents]
     resumes = segments(logs)
     assert [world for world, _ in resumes] == [1, 2], resumes  # shrunk to one rank, then grew back to two
-    sizes = step_sizes(1 + loss.nodes, resumes)
+    sizes = step_sizes(SAMPLES, BATCH, 1 + loss.nodes, resumes)
     assert resumes[1][1] < len(sizes), "the job grew back before the end of the epoch"
     assert_each_sample_trained_once(ledger(run), sizes)
     if loss.during_save:  # the save the lost node was writing never counted, and is gone

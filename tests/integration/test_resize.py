@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from devtools.processes import run, torchrun
-from tests.support.checkpoint_reading import newest_checkpoint, summary
+from tests.support.checkpoint_reading import summary
+from tests.support.ledger_checks import assert_each_sample_trained_once, ledger
 from tests.support.sample_logs import global_order
 from trainer.sampler import ResumableDistributedSampler
 
@@ -60,24 +60,11 @@ def test_after_a_resize_the_learning_rate_is_the_uninterrupted_runs_at_the_same_
     assert [resized[samples] for samples in after_the_resize] == [reference[samples] for samples in after_the_resize]
 
 
-# The ledger task (tests.support.tasks): 98 samples, never divided evenly by 3 ranks x 4; with 3 ranks the epoch's
+# The ledger task (tests/support/ledger.py): 98 samples, never divided evenly by 3 ranks x 4; with 3 ranks the epoch's
 # last global batch holds 2 samples, so rank 2 has nothing in it (a placeholder step of weight zero).
-LEDGER = ["--task", "tests.support.tasks:LedgerTask", "--batch-size", "4", "--epochs", "1", "--optimizer", "sgd",
+LEDGER = ["--task", "tests.support.ledger:LedgerTask", "--batch-size", "4", "--epochs", "1", "--optimizer", "sgd",
           "--momentum", "0", "--lr", "1", "--schedule", "constant", "--progress", "off", "--no-tensorboard",
           "--sample-log"]
-
-
-def ledger(output: Path) -> torch.Tensor:
-    """How far each sample's number moved: minus the sum of its weights in the steps that trained it."""
-    _, manifest, state = newest_checkpoint(output / "checkpoints")
-    assert manifest["epoch"] == 1 and manifest["samples_in_epoch"] == 0, "the epoch is complete"
-    return -state["model"]["weight"].flatten().double()
-
-
-def assert_each_sample_trained_once(weights: torch.Tensor, step_sizes: list[int]) -> None:
-    """Each step of N real samples gives each of them the weight 1/N: the mean over real samples."""
-    expected = torch.tensor(sorted(1 / size for size in step_sizes for _ in range(size)), dtype=torch.float64)
-    assert torch.allclose(weights.sort().values, expected, rtol=1e-5, atol=0), (weights.tolist(), step_sizes)
 
 
 def test_every_sample_is_trained_exactly_once_at_world_sizes_that_do_not_divide_the_epoch(tmp_path):

@@ -33,10 +33,12 @@ class PodPlan:
     operator_env: tuple[tuple[str, str], ...]
     namespace: str = "default"
     labels: tuple[tuple[str, str], ...] = ()  # the pod's, its template's and the operator's (the job's name)
+    container_name: str = CONTAINER  # the training container (a TrainJob's is "node": tests/support/trainer_v2.py)
+    subdomain: str | None = None  # the headless Service that also names the pod <name>.<subdomain> (JobSet's)
 
     @property
     def container(self) -> Obj:
-        return next(c for c in self.template["spec"]["containers"] if c["name"] == CONTAINER)
+        return next(c for c in self.template["spec"]["containers"] if c["name"] == self.container_name)
 
 
 def with_defaults(job: Obj) -> Obj:

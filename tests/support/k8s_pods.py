@@ -8,7 +8,7 @@ What the kubelet would do before the container starts, for tests without a clust
 * the environment is the container's own (values, ``$(NAME)`` references to the variables before them, this
   container's ``resourceFieldRef``, the pod's namespace and labels by ``fieldRef``) followed by what the
   training operator appends (tests/support/k8s_operator.py);
-* the command is the container's command and args, unchanged;
+* the command is the container's command and args, with ``$(NAME)`` replaced by the variable's value;
 * the security settings are the pod's, overridden by the container's, as the kubelet merges them.
 
 tests/support/k8s_processes.py starts such pods as processes, tests/support/k8s_containers.py as Docker containers.
@@ -46,6 +46,7 @@ class Pod:
     env: dict[str, str]
     mounts: list[Mount]
     security: Obj  # the pod's securityContext, overridden by the container's where both set a field
+    aliases: tuple[str, ...] = ()  # other names of the pod's address: <name>.<subdomain>
 
 
 @dataclass(frozen=True)
@@ -67,9 +68,23 @@ def prepare(plan: PodPlan, config_maps: dict[str, dict[str, str]], claims: dict[
         mounts.append(_mount(volumes[mount["name"]], mount, config_maps, claims, pod_dir,
                              spec.get("securityContext", {})))
     env = environment(plan)
-    command = [*container.get("command", []), *container.get("args", [])]
+    command = pod_command(plan, env)
     security = {**spec.get("securityContext", {}), **container.get("securityContext", {})}
-    return Pod(plan.name, container["image"], command, env, mounts, security)
+    aliases = (f"{plan.name}.{plan.subdomain}",) if plan.subdomain else ()
+    return Pod(plan.name, container["image"], command, env, mounts, security, aliases)
+
+
+def pod_command(plan: PodPlan, env: dict[str, str] | None = None) -> list[str]:
+    """The container's command and args as the kubelet runs them, in the pod's environment (by default, its own)."""
+    env = environment(plan) if env is None else env
+    return [_expanded(word, env) for word in [*plan.container.get("command", []), *plan.container.get("args", [])]]
+
+
+def _expanded(word: str, env: dict[str, str]) -> str:
+    """The kubelet's expansion of a command's words: $(NAME) is the container's variable (any other is left as
+    written), $$ a literal $."""
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                  lambda found: "$" if found.group(0) == "$$" else env.get(found.group(1), found.group(0)), word)
 
 
 def _mount(volume: Obj, mount: Obj, config_maps: dict[str, dict[str, str]], claims: dict[str, Path],

@@ -2,8 +2,8 @@
 
 Needs root (unshare), as CI has. In each pod:
 
-* the host name is the pod's name, and a private /etc/hosts maps each pod's name to that pod's own
-  loopback address (127.0.1.N), as the headless Service of each replica does in a cluster;
+* the host name is the pod's name, and a private /etc/hosts maps each pod's name (and ``<name>.<subdomain>``)
+  to that pod's own loopback address (127.0.1.N), as the headless Service of each replica does in a cluster;
 * the volumes appear at their mount paths; a mount point that does not exist is made inside a private
   overlay of its parent folder, so nothing changes on this machine;
 * ``readOnlyRootFilesystem`` makes / read-only; ``runAsUser``, ``runAsGroup`` and ``fsGroup`` become the
@@ -57,7 +57,8 @@ def run_processes(pods: list[Pod], workdir: Path, bin_dir: Path, timeout_s: floa
     on the way, where ``loss`` says so)."""
     hosts = workdir / "hosts"
     hosts.write_text("127.0.0.1\tlocalhost\n"
-                     + "".join(f"127.0.1.{number}\t{pod.name}\n" for number, pod in enumerate(pods, start=1)))
+                     + "".join(f"127.0.1.{number}\t{' '.join((pod.name, *pod.aliases))}\n"
+                               for number, pod in enumerate(pods, start=1)))
     hosts.chmod(0o644)
     started = []
     for pod in pods:

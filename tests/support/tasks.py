@@ -96,60 +96,6 @@ class TokenTask(Task[TokenOptions]):
                 "macro_f1": torchmetrics.classification.MulticlassF1Score(self.options.classes, average="macro")}
 
 
-@dataclass
-class LedgerOptions:
-    train_size: int = option(98, "training samples", resume=ResumeRule.REFUSE)
-
-
-class IndexItems(Dataset[tuple[torch.Tensor, float]]):
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, float]:
-        return torch.tensor(index), 0.0
-
-
-class LedgerTask(Task[LedgerOptions]):
-    """A ledger of what is trained, not of what is fetched: sample i's input is i, and the model is one
-    number per sample, starting at 0, whose loss is the batch's mean. Under SGD with lr 1 and no momentum, a
-    step moves the number of each sample it trains by -(that sample's weight in the step's gradient): -1/N
-    when the step's gradient is the mean over its N real samples. A sample trained twice, or fetched as padding
-    and trained, moves twice or by another amount; one never trained stays at 0."""
-
-    name = "ledger"
-    Options = LedgerOptions
-
-    def datasets(self, context: TaskContext) -> TaskData:
-        return TaskData(IndexItems(self.options.train_size), IndexItems(8), deterministic_items=True)
-
-    def model(self, data: TaskData) -> nn.Module:
-        ledger = nn.Embedding(self.options.train_size, 1)
-        nn.init.zeros_(ledger.weight)
-        return ledger
-
-    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return outputs.float().mean() + 0 * targets.float().mean()
-
-
-@dataclass
-class PacedLedgerOptions(LedgerOptions):
-    step_delay_s: float = option(0.0, "seconds each loss call waits (a membership change fits mid-epoch)")
-
-
-class PacedLedgerTask(LedgerTask):
-    """The ledger, each step held for a moment: long enough for a test to kill a node, or add one, mid-epoch."""
-
-    name = "paced-ledger"
-    Options = PacedLedgerOptions
-
-    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        time.sleep(self.options.step_delay_s)
-        return super().loss(outputs, targets)
-
-
 class FlattensWithView(nn.Module):
     """A convolution whose output is flattened with ``.view()``: fine in the default layout, an error on a
     channels-last tensor (what --channels-last auto chooses for a conv model on a GPU)."""

@@ -1,0 +1,79 @@
+"""What Kubeflow Trainer v2 and JobSet do with a TrainJob under the ``torch-distributed`` runtime, for tests
+without a cluster: the pods they create and what each one's ``node`` container is given.
+
+Transcribed from kubeflow/trainer (pkg/runtime/framework/plugins/torch/torch.go, pkg/constants): the webhook
+refuses a TrainJob whose trainer sets any of torchrun's reserved variables; the plugin appends PET_NNODES
+(numNodes), PET_NPROC_PER_NODE, PET_NODE_RANK (the Job's completion index), PET_MASTER_ADDR (node 0's name under
+the JobSet's headless Service) and PET_MASTER_PORT (29500) after the trainer's own env. JobSet names each pod
+``<jobset>-<replicated job>-<job index>-<pod index>``, makes that its host name and the JobSet (the TrainJob's
+name) its subdomain, and labels it with the JobSet's name. The pod template is the runtime's ``node`` job as the
+TrainJob's runtimePatches shape it, its container given the trainer's image, command, args, env and resources.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from tests.support.k8s_operator import Obj, PodPlan
+
+NODE = "node"  # the runtime's replicated job and the trainer's container
+TRAINER_PORT = 29500  # constants.ContainerTrainerPort
+RESERVED = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT")
+
+
+def admission_errors(trainjob: Obj) -> list[str]:
+    """The torch plugin's refusals (Validate): each one means `kubectl apply` fails."""
+    reserved = sorted({entry["name"] for entry in trainjob["spec"]["trainer"].get("env", [])} & set(RESERVED))
+    return [f"spec.trainer.env: must not have reserved envs, invalid envs configured: {reserved}"] if reserved else []
+
+
+def pod_plans(trainjob: Obj) -> list[PodPlan]:
+    """Every pod of an admitted TrainJob, node 0 first, with the variables the torch plugin sets."""
+    name, trainer = trainjob["metadata"]["name"], trainjob["spec"]["trainer"]
+    namespace = trainjob["metadata"].get("namespace", "default")
+    nodes, per_node = trainer.get("numNodes", 1), trainer.get("numProcPerNode")
+    if not isinstance(per_node, int):
+        raise AssertionError(f"numProcPerNode {per_node!r}: only a number of processes is emulated")
+    template = _node_template(trainjob)
+    labels = {**template.get("metadata", {}).get("labels", {}), "jobset.sigs.k8s.io/jobset-name": name}
+    plans = []
+    for index in range(nodes):
+        plugin_env = (("PET_NNODES", str(nodes)), ("PET_NPROC_PER_NODE", str(per_node)),
+                      ("PET_NODE_RANK", str(index)), ("PET_MASTER_ADDR", f"{name}-{NODE}-0-0.{name}"),
+                      ("PET_MASTER_PORT", str(TRAINER_PORT)))
+        plans.append(PodPlan(f"{name}-{NODE}-0-{index}", NODE, index, template, plugin_env, namespace,
+                             tuple(labels.items()), container_name=NODE, subdomain=name))
+    return plans
+
+
+def _node_template(trainjob: Obj) -> Obj:
+    """The runtime's node pod template with the TrainJob's runtimePatches applied, its container the trainer."""
+    template: Obj = {"spec": {"containers": [{"name": NODE}]}}
+    for patch in trainjob["spec"].get("runtimePatches", []):
+        jobs = patch.get("trainingRuntimeSpec", {}).get("template", {}).get("spec", {}).get("replicatedJobs", [])
+        for job in jobs:
+            if job["name"] == NODE:
+                template = _merged(template, job["template"]["spec"]["template"])
+    trainer = trainjob["spec"]["trainer"]
+    (container,) = [c for c in template["spec"]["containers"] if c["name"] == NODE]
+    container.update({key: copy.deepcopy(trainer[key]) for key in ("image", "command", "args", "env")
+                      if key in trainer})
+    if "resourcesPerNode" in trainer:
+        container["resources"] = copy.deepcopy(trainer["resourcesPerNode"])
+    return template
+
+
+def _merged(base: Obj, patch: Obj) -> Obj:
+    """A strategic merge as far as these templates need: maps merge, lists of named items merge by name."""
+    merged = copy.deepcopy(base)
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merged(merged[key], value)
+        elif isinstance(value, list) and all(isinstance(item, dict) and "name" in item for item in value):
+            by_name = {item["name"]: item for item in merged.get(key, [])}
+            for item in value:
+                by_name[item["name"]] = _merged(by_name.get(item["name"], {}), item)
+            merged[key] = list(by_name.values())
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
