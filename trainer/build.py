@@ -152,8 +152,12 @@ def build_training(config: Config, task: RunTask, runtime: Runtime,
         log.info("data: %d training and %d evaluation samples; %d DataLoader worker(s) per rank (--num-workers %s)",
                  len(train_set), len(eval_set), workers, config.data.num_workers)  # type: ignore[arg-type]
     pin, where = device.type == "cuda", f"task {task.describe()}: the"
+    batch = config.train.per_rank_batch(identity.world_size, config.optim.grad_accum_steps)
+    if config.train.global_batch_size and identity.is_main:
+        log.info("--global-batch-size %d: %d sample(s) per rank per micro-batch at %d rank(s)",
+                 config.train.global_batch_size, batch, identity.world_size)
     train_loader, train_sampler = training_loader(
-        train_set, identity.world_size, identity.rank, config.train.batch_size, workers, seed,
+        train_set, identity.world_size, identity.rank, batch, workers, seed,
         data.deterministic_items, data.collate_fn, pin, f"{where} training dataset")
     eval_loader = evaluation_loader(eval_set, identity.world_size, identity.rank, config.train.eval_batch_size,
                                     workers, seed, data.deterministic_items, data.collate_fn, pin,
@@ -217,7 +221,7 @@ def build_training(config: Config, task: RunTask, runtime: Runtime,
 
     base_lr = config.optim.lr * (identity.world_size if config.optim.scale_lr else 1)
     optimizer = build_optimizer(config.optim, model.parameters(), base_lr)
-    global_batch = config.train.batch_size * identity.world_size * config.optim.grad_accum_steps
+    global_batch = train_sampler.batch_size * identity.world_size * config.optim.grad_accum_steps
     # The schedule spans all epochs even with --max-steps: a job split into --max-steps segments
     # follows the same schedule as one that runs straight through.
     total_samples = config.train.epochs * len(train_set)  # type: ignore[arg-type]

@@ -89,6 +89,10 @@ class OptimConfig:
 class TrainConfig:
     epochs: int = option(3, "number of epochs")
     batch_size: int = option(128, "samples per rank per micro-batch", resume=FLAG)
+    global_batch_size: int = option(0, "samples per optimizer step across all ranks, whatever their number: each "
+                                       "rank's micro-batch is this / (ranks x --grad-accum-steps), so a resume or an "
+                                       "elastic job at another world size keeps its steps (0: --batch-size per rank)",
+                                    resume=FLAG)
     eval_batch_size: int = option(512, "samples per rank per evaluation batch")
     eval_every: int = option(0, "also evaluate every N optimizer steps, mid-epoch (0: at the end of each epoch only)")
     max_steps: int = option(0, "stop (with a checkpoint) once this many optimizer steps are done in total; "
@@ -99,10 +103,22 @@ class TrainConfig:
     def __post_init__(self) -> None:
         check(self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}")
         check(self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}")
+        check(self.global_batch_size >= 0, f"--global-batch-size must be >= 0 (0: off), got {self.global_batch_size}")
         check(self.eval_batch_size >= 1, "--eval-batch-size must be >= 1")
         check(self.eval_every >= 0, f"--eval-every must be >= 0, got {self.eval_every}")
         check(self.max_steps >= 0, "--max-steps must be >= 0")
         check_choice(self.sync, "sync", SYNC_METHODS)
+
+    def per_rank_batch(self, world_size: int, accum: int) -> int:
+        """Samples per rank per micro-batch at this world size: --batch-size, or --global-batch-size's share."""
+        if not self.global_batch_size:
+            return self.batch_size
+        share, left = divmod(self.global_batch_size, world_size * accum)
+        check(share >= 1 and left == 0,
+              f"--global-batch-size {self.global_batch_size} does not divide into {world_size} rank(s) x {accum} "
+              f"micro-batch(es) per step; give a multiple of {world_size * accum} (for an elastic job, one that "
+              f"ranks x --grad-accum-steps divides at every world size it may run at)")
+        return share
 
 
 @dataclass
@@ -270,6 +286,10 @@ class Config:
         if self.model.sync_bn and SYNC_METHODS.get(self.train.sync).one_process:
             raise ConfigError(f"--sync {self.train.sync} runs one process; --sync-bn needs several ranks "
                               f"(use --sync ddp)")
+        if self.train.global_batch_size and self.optim.scale_lr:
+            raise ConfigError("--scale-lr multiplies the learning rate by the world size, but with "
+                              "--global-batch-size the batch of a step does not grow with it; give the learning rate "
+                              "for that global batch, without --scale-lr")
         if self.model.meta_init == "on" and not SYNC_METHODS.get(self.train.sync).sharded:
             raise ConfigError(f"--meta-init on builds the model in shards, which --sync {self.train.sync} does not "
                               f"keep; use --sync fsdp or hsdp, or --meta-init off")

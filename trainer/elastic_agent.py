@@ -6,6 +6,8 @@
   of ``RendezvousTimeoutError`` (no message at all): fewer than MIN nodes came within ``join_timeout``, at the
   start or after nodes were lost; the round was closed (the job had ended) when this node came; or the node that
   hosted the rendezvous ended while this one waited (exit 3 for each).
+- ``--nnodes`` that torchrun would refuse with a bare assert (a minimum above the maximum, or below 1) or a parse
+  error, said in one line (exit 2).
 
 Every argument is torchrun's, passed on unchanged.
 """
@@ -16,7 +18,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from trainer.errors import EXIT_RENDEZVOUS
+from trainer.errors import EXIT_RENDEZVOUS, EXIT_USAGE
 from trainer.launchers import ELASTIC_AGENT_ENV
 
 # torch.distributed.elastic.rendezvous.dynamic_rendezvous's, when --rdzv-conf has none.
@@ -36,6 +38,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, value in ELASTIC_AGENT_ENV.items():
         os.environ.setdefault(name, value)  # the workers inherit it too, harmlessly
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    unusable = node_bounds_error(args.nnodes)
+    if unusable:
+        print(f"ddp-torchrun: error: {unusable}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
     job = f"the rendezvous of job {args.rdzv_id!r} at {args.rdzv_endpoint}"
     try:
         record(run)(args)  # as torchrun's own main: a failure's error file for launchers that read it
@@ -47,13 +53,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RendezvousConnectionError as error:
         cause = " ".join(str(error.__cause__ or error).split())[:200].rstrip(".") or type(error).__name__
         said = (f"{job} cannot be reached ({cause}): a wrong --rdzv-endpoint, a host that does not accept "
-                f"connections on that port, or the node that hosted it ended while this one waited; check the "
-                f"endpoint, and start the host's node first")
+                f"connections on that port, or the node that hosted it ended while this one waited (as a node "
+                f"beyond the maximum of --nnodes={args.nnodes} does: it waits as a spare until the job ends); check "
+                f"the endpoint, start the host's node first, and start no more nodes than the maximum")
     else:
         return 0
     print(f"ddp-torchrun: error: {said}. The checkpoints are intact: a job started again with the same "
           f"--rdzv-id resumes from the newest", file=sys.stderr, flush=True)
     return EXIT_RENDEZVOUS
+
+
+def node_bounds_error(nnodes: str) -> str | None:
+    """What is wrong with --nnodes (or PET_NNODES), which torchrun checks with a bare assert (a traceback, no
+    message) or a parse error; None when it is usable."""
+    from torch.distributed.run import parse_min_max_nnodes
+
+    try:
+        least, most = parse_min_max_nnodes(nnodes)
+    except (RuntimeError, ValueError):
+        return f"--nnodes={nnodes} is neither a number of nodes nor MIN:MAX; give one, such as 2 or 1:4"
+    if not 0 < least <= most:
+        return (f"--nnodes={nnodes}: the minimum must be at least 1 and at most the maximum (MIN:MAX, such as "
+                f"1:{max(most, 1)}); under compose.yaml, MIN_NODES at most NODES")
+    return None
 
 
 def waited_for(nnodes: str, job: str, rdzv_conf: str) -> str:

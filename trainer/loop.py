@@ -157,7 +157,7 @@ class Trainer:
                 checked = True
             batches = len(setup.train_loader)
             accum = config.optim.grad_accum_steps
-            per_batch = config.train.batch_size * world_size
+            per_batch = setup.train_sampler.batch_size * world_size
             self.progress.start_epoch(epoch, config.train.epochs, math.ceil(math.ceil(train_size / per_batch) / accum),
                                       self.position.samples_in_epoch // per_batch // accum)
             # A window of its own per epoch: the last one's tail is not counted, nor the evaluation between.
@@ -305,7 +305,7 @@ class Trainer:
     def _batch_order(self) -> list[list[int]]:
         sampler = self.setup.train_sampler
         order = [key % len(sampler.dataset) for key in sampler]
-        size = self.config.train.batch_size
+        size = sampler.batch_size
         return [order[i:i + size] for i in range(0, len(order), size)]
 
     def _record_samples(self, indices: list[int]) -> None:

@@ -13,19 +13,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from devtools.elastic import FAST_RENDEZVOUS, ElasticJob
 from devtools.processes import torchrun
 from tests.integration.test_resize import LEDGER
-from tests.support.ledger_checks import assert_each_sample_trained_once, ledger, segments, step_sizes
+from tests.support.checkpoint_reading import summary
+from tests.support.ledger_checks import assert_each_sample_trained_once, ledger, segments
 
 pytestmark = pytest.mark.slow
 
-# The ledger task's epoch, long enough at one rank (about 40 steps after the loss) for a node to join mid-epoch
-# (the join takes 10-15 s here).
-SAMPLES, BATCH = 192, 4
+# The ledger task's epoch: 48 steps of 12 samples at every world size (--global-batch-size), about 40 of them
+# after the loss, long enough for a node to join mid-epoch (the join takes 10-15 s here).
+SAMPLES, GLOBAL_BATCH = 576, 12
+ONE_EPOCH = [*LEDGER, "--train-size", str(SAMPLES), "--global-batch-size", str(GLOBAL_BATCH)]
 PACED = [*[arg if arg != "tests.support.ledger:LedgerTask" else "tests.support.ledger:PacedLedgerTask"
-           for arg in LEDGER if arg != "--sample-log"], "--train-size", str(SAMPLES), "--step-delay-s", "0.4"]
+           for arg in ONE_EPOCH if arg != "--sample-log"], "--step-delay-s", "0.4"]
 STEP = re.compile(r"\Astep-(\d+)")
 
 
@@ -49,9 +52,18 @@ class Loss:
 LOSSES = {"ddp": Loss(nodes=2), "fsdp": Loss(during_save=True), "hsdp": Loss(timed_saves=True)}
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
+    """The ledger of the same epoch trained straight through at one rank, which every elastic history must end at."""
+    output = tmp_path_factory.mktemp("uninterrupted")
+    result = torchrun([*ONE_EPOCH, "--output-dir", str(output)], nproc=1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return ledger(output)
+
+
 @pytest.mark.parametrize("sync", ["ddp", "fsdp", "hsdp"])
-def test_nodes_lost_mid_epoch_and_one_added_later_the_job_goes_on_by_itself_training_every_sample_once(tmp_path,
-                                                                                                      sync):
+def test_nodes_lost_mid_epoch_and_one_added_later_the_job_goes_on_by_itself_training_every_sample_once(
+        tmp_path, sync, uninterrupted):
     loss, run = LOSSES[sync], tmp_path / "run"
     args = [*PACED, "--sync", sync, "--output-dir", str(run),
             *(["--checkpoint-every-s", "0.7"] if loss.timed_saves else ["--checkpoint-every", "2"])]
@@ -93,9 +105,12 @@ def test_nodes_lost_mid_epoch_and_one_added_later_the_job_goes_on_by_itself_trai
     logs = [agent.text() for agent in job.agents]
     resumes = segments(logs)
     assert [world for world, _ in resumes] == [1, 2], resumes  # shrunk to one rank, then grew back to two
-    sizes = step_sizes(SAMPLES, BATCH, 1 + loss.nodes, resumes)
+    sizes = [GLOBAL_BATCH] * (SAMPLES // GLOBAL_BATCH)  # the same steps at 3 (or 2), 1 and 2 ranks
     assert resumes[1][1] < len(sizes), "the job grew back before the end of the epoch"
-    assert_each_sample_trained_once(ledger(run), sizes)
+    assert summary(run)["global_step"] == len(sizes), (summary(run), sizes)
+    weights = ledger(run)
+    assert_each_sample_trained_once(weights, sizes)
+    assert torch.equal(weights, uninterrupted), "bitwise the model of the uninterrupted run at one rank"
     if loss.during_save:  # the save the lost node was writing never counted, and is gone
         assert len(interrupted) == 1 and resumes[0][1] < min(interrupted.values()), (interrupted, resumes)
         assert not interrupted.keys() & checkpoint_folders(run).keys(), "the unfinished save was removed"

@@ -29,9 +29,8 @@ def run_containers(pods: list[Pod], timeout_s: float) -> list[PodResult]:
     _check(docker("network", "create", network))
     try:
         for pod, name in zip(pods, names, strict=True):
-            aliases = [word for alias in (pod.name, *pod.aliases) for word in ("--network-alias", alias)]
             _check(docker("run", "--detach", "--name", name, "--hostname", pod.name, "--network", network,
-                          *aliases, *_options(pod), pod.image, *pod.command))
+                          "--network-alias", pod.name, *_options(pod), pod.image, *pod.command))
         deadline = time.monotonic() + timeout_s
         codes = []
         for pod, name in zip(pods, names, strict=True):

@@ -81,9 +81,9 @@ def pod_command(plan: PodPlan, env: dict[str, str] | None = None) -> list[str]:
 
 
 def _expanded(word: str, env: dict[str, str]) -> str:
-    """The kubelet's expansion of a command's words: $(NAME) is the container's variable (any other is left as
-    written), $$ a literal $."""
-    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+    """The kubelet's expansion of a command's word or a variable's value (Kubernetes' third_party expand.go):
+    $(NAME), NAME anything up to the next ')', is that variable (one not in ``env`` is left as written); $$ is $."""
+    return re.sub(r"\$\$|\$\(([^)]*)\)",
                   lambda found: "$" if found.group(0) == "$$" else env.get(found.group(1), found.group(0)), word)
 
 
@@ -134,9 +134,7 @@ def environment(plan: PodPlan) -> dict[str, str]:
 
 def _env_value(entry: Obj, container: Obj, pod_name: str, metadata: dict[str, str], before: dict[str, str]) -> str:
     if "value" in entry:
-        # $(NAME) is a variable defined before this one in the container; any other is left as written.
-        return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda found: before.get(found.group(1), found.group(0)),
-                      str(entry["value"]))
+        return _expanded(str(entry["value"]), before)  # only the variables defined before this one
     field_ref = entry.get("valueFrom", {}).get("fieldRef")
     if field_ref is not None:
         if field_ref["fieldPath"] not in metadata:

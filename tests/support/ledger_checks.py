@@ -32,16 +32,3 @@ def segments(logs: list[str]) -> list[tuple[int, int]]:
     resumes a newer checkpoint than the one before."""
     return sorted(((int(m.group(1)), int(m.group(2))) for text in logs for m in RESUMED.finditer(text)),
                   key=lambda segment: segment[1])
-
-
-def step_sizes(samples: int, batch: int, first_world: int, resumes: list[tuple[int, int]]) -> list[int]:
-    """The samples of each step the final checkpoint's history holds: each segment's steps until the next segment
-    resumed (what it trained beyond that checkpoint was rolled back), the last one to the end of the epoch."""
-    sizes: list[int] = []
-    world = first_world
-    for next_world, resumed_step in [*resumes, (0, None)]:
-        while (resumed_step is None or len(sizes) < resumed_step) and sum(sizes) < samples:
-            sizes.append(min(world * batch, samples - sum(sizes)))
-        assert resumed_step is None or len(sizes) == resumed_step, (resumes, sizes)
-        world = next_world
-    return sizes

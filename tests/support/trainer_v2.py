@@ -4,10 +4,12 @@ without a cluster: the pods they create and what each one's ``node`` container i
 Transcribed from kubeflow/trainer (pkg/runtime/framework/plugins/torch/torch.go, pkg/constants): the webhook
 refuses a TrainJob whose trainer sets any of torchrun's reserved variables; the plugin appends PET_NNODES
 (numNodes), PET_NPROC_PER_NODE, PET_NODE_RANK (the Job's completion index), PET_MASTER_ADDR (node 0's name under
-the JobSet's headless Service) and PET_MASTER_PORT (29500) after the trainer's own env. JobSet names each pod
-``<jobset>-<replicated job>-<job index>-<pod index>``, makes that its host name and the JobSet (the TrainJob's
-name) its subdomain, and labels it with the JobSet's name. The pod template is the runtime's ``node`` job as the
-TrainJob's runtimePatches shape it, its container given the trainer's image, command, args, env and resources.
+the JobSet's headless Service) and PET_MASTER_PORT (29500) after the trainer's own env. Each pod's host name is
+``<jobset>-<replicated job>-<job index>-<pod index>`` (its name adds a random suffix, which nothing here reads; a
+plan's ``name`` is the host name), its subdomain the JobSet (the TrainJob's name), and it is labelled with the
+JobSet's name. The pod template is the runtime's ``node`` job as the TrainJob's runtimePatches shape it, its
+container given the trainer's image, command, args and resources, and the trainer's env upserted over the env
+the patches give it.
 """
 
 from __future__ import annotations
@@ -56,8 +58,11 @@ def _node_template(trainjob: Obj) -> Obj:
                 template = _merged(template, job["template"]["spec"]["template"])
     trainer = trainjob["spec"]["trainer"]
     (container,) = [c for c in template["spec"]["containers"] if c["name"] == NODE]
-    container.update({key: copy.deepcopy(trainer[key]) for key in ("image", "command", "args", "env")
-                      if key in trainer})
+    container.update({key: copy.deepcopy(trainer[key]) for key in ("image", "command", "args") if key in trainer})
+    # Upserted by name, as apply.UpsertEnvVars does: a patch's variable keeps its place, the trainer's value wins.
+    env = {entry["name"]: entry for entry in container.get("env", [])}
+    env.update({entry["name"]: copy.deepcopy(entry) for entry in trainer.get("env", [])})
+    container["env"] = list(env.values())
     if "resourcesPerNode" in trainer:
         container["resources"] = copy.deepcopy(trainer["resourcesPerNode"])
     return template

@@ -52,10 +52,24 @@ def test_config_round_trips_through_its_yaml_layout():
     (["--model", "resnet1000"], "--model 'resnet1000': no such model; choose one of convnet, lenet"),
     (["--dataset", "imagenet"], "--dataset 'imagenet': no such dataset; choose one of fashion-mnist"),
     (["--sync", "carrier-pigeon"], "--sync 'carrier-pigeon': no such gradient synchronisation method"),
+    (["--global-batch-size", "-8"], "--global-batch-size must be >= 0"),
+    (["--global-batch-size", "24", "--scale-lr"], "--scale-lr multiplies the learning rate by the world size, but"),
 ])
 def test_invalid_values_name_the_flag(argv, message):
     with pytest.raises(ConfigError, match=message):
         parse_config(argv)
+
+
+def test_a_global_batch_is_shared_out_at_every_world_size_or_refused_in_one_line_where_it_does_not_divide():
+    config, _ = parse_config(["--global-batch-size", "24", "--grad-accum-steps", "2", "--batch-size", "5"])
+    assert [config.train.per_rank_batch(world, 2) for world in (1, 2, 3, 4, 6, 12)] == [12, 6, 4, 3, 2, 1]
+    with pytest.raises(ConfigError, match=r"^--global-batch-size 24 does not divide into 5 rank\(s\) x 2 "
+                                          r"micro-batch\(es\) per step; give a multiple of 10 "):
+        config.train.per_rank_batch(5, 2)
+    with pytest.raises(ConfigError, match="does not divide into 24 rank"):
+        config.train.per_rank_batch(24, 2)  # less than one sample each
+    plain, _ = parse_config(["--batch-size", "5"])
+    assert plain.train.per_rank_batch(7, 3) == 5  # without it, --batch-size per rank at any size
 
 
 def test_yaml_errors_name_the_key(tmp_path):

@@ -76,7 +76,9 @@ def test_a_record_keeps_the_time_it_was_made_and_a_hung_tracker_cannot_queue_wit
     assert warnings[1:] == [f"tracker slow ended its run; {200 - len(slow.records)} record(s) were dropped while it "
                             f"was behind; metrics.jsonl has every record"]
     steps = [step for step, _, _ in slow.records]
-    assert steps == list(range(1, len(steps) + 1)) and 50 <= len(steps) <= 52  # the oldest kept, in order
+    # The oldest 50 kept, in order; where the tracker took its first record while the loop ran, a later one took
+    # the place it freed (a record between them was dropped: seen in CI as [1, ..., 50, 52]).
+    assert steps[:50] == list(range(1, 51)) and steps == sorted(set(steps)) and len(steps) <= 52, steps
     # Stamped when made, not when the tracker got them (at least 0.2 s later, after the gate opened).
     assert all(made <= made_at < sent and taken - made_at >= 0.2 for _, made_at, taken in slow.records)
 
