@@ -141,6 +141,8 @@ def build_training(config: Config, task: RunTask, runtime: Runtime,
                    trained_channels_last: bool | None = None) -> TrainingSetup:
     """``trained_channels_last``: the memory layout of the checkpoint this run resumes (None: a fresh start)."""
     identity, device, seed = runtime.identity, runtime.device, config.train.seed
+    # Before the datasets: a --global-batch-size this world size does not divide fails at once.
+    batch = config.train.per_rank_batch(identity.world_size, config.optim.grad_accum_steps)
     instance = agreed(runtime, task.create, TaskError)
     data = agreed(runtime, lambda: _task_data(task, instance, TaskContext(runtime, seed)), TaskError,
                   long_work="the task's datasets")
@@ -152,10 +154,9 @@ def build_training(config: Config, task: RunTask, runtime: Runtime,
         log.info("data: %d training and %d evaluation samples; %d DataLoader worker(s) per rank (--num-workers %s)",
                  len(train_set), len(eval_set), workers, config.data.num_workers)  # type: ignore[arg-type]
     pin, where = device.type == "cuda", f"task {task.describe()}: the"
-    batch = config.train.per_rank_batch(identity.world_size, config.optim.grad_accum_steps)
     if config.train.global_batch_size and identity.is_main:
-        log.info("--global-batch-size %d: %d sample(s) per rank per micro-batch at %d rank(s)",
-                 config.train.global_batch_size, batch, identity.world_size)
+        log.info("--global-batch-size %d: %d sample(s) per rank per micro-batch at %d rank(s) (--batch-size is not "
+                 "used)", config.train.global_batch_size, batch, identity.world_size)
     train_loader, train_sampler = training_loader(
         train_set, identity.world_size, identity.rank, batch, workers, seed,
         data.deterministic_items, data.collate_fn, pin, f"{where} training dataset")

@@ -88,7 +88,7 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     epochs: int = option(3, "number of epochs")
-    batch_size: int = option(128, "samples per rank per micro-batch", resume=FLAG)
+    batch_size: int = option(128, "samples per rank per micro-batch (not used with --global-batch-size)", resume=FLAG)
     global_batch_size: int = option(0, "samples per optimizer step across all ranks, whatever their number: each "
                                        "rank's micro-batch is this / (ranks x --grad-accum-steps), so a resume or an "
                                        "elastic job at another world size keeps its steps (0: --batch-size per rank)",
@@ -286,6 +286,10 @@ class Config:
         if self.model.sync_bn and SYNC_METHODS.get(self.train.sync).one_process:
             raise ConfigError(f"--sync {self.train.sync} runs one process; --sync-bn needs several ranks "
                               f"(use --sync ddp)")
+        accum, global_batch = self.optim.grad_accum_steps, self.train.global_batch_size
+        if global_batch % accum:
+            raise ConfigError(f"--global-batch-size {global_batch} does not divide into --grad-accum-steps {accum} "
+                              f"micro-batches at any world size; give a multiple of {accum}")
         if self.train.global_batch_size and self.optim.scale_lr:
             raise ConfigError("--scale-lr multiplies the learning rate by the world size, but with "
                               "--global-batch-size the batch of a step does not grow with it; give the learning rate "

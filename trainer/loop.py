@@ -139,7 +139,8 @@ class Trainer:
         try:
             return self._fit()
         except torch.OutOfMemoryError as error:  # CUDA's; the snapshot (if asked) before the memory is freed
-            raise OutOfMemory(out_of_memory_message(error, self.position.step, self.profiler.out_of_memory())) from None
+            raise OutOfMemory(out_of_memory_message(error, self.position.step, self.profiler.out_of_memory(),
+                                                    bool(self.config.train.global_batch_size))) from None
 
     def _fit(self) -> Metrics:
         config, setup, runtime = self.config, self.setup, self.runtime

@@ -102,11 +102,14 @@ class StepProfiler:
         self._profile.start()
 
 
-def out_of_memory_message(error: BaseException, step: int, snapshot: Path | None) -> str:
-    """One line for a rank that ran out of memory: where, what it tried, and what to change."""
+def out_of_memory_message(error: BaseException, step: int, snapshot: Path | None, global_batch: bool = False) -> str:
+    """One line for a rank that ran out of memory: where, what it tried, and what to change. ``global_batch``:
+    --global-batch-size sets the micro-batch, so more accumulation steps make it smaller."""
     tried = str(error).partition("\n")[0].strip().rstrip(".")
     where = f"at optimizer step {step + 1}"
     hint = (f"the allocator's history is in {snapshot}" if snapshot is not None
             else "--memory-snapshot-on-oom records what held the memory")
-    return (f"out of memory {where} ({tried}); lower --batch-size (with --grad-accum to keep the effective "
-            f"batch), use --precision bf16, or shard the model with --sync fsdp; {hint}")
+    smaller = ("raise --grad-accum-steps (each micro-batch shrinks, the step stays --global-batch-size)"
+               if global_batch else "lower --batch-size (with --grad-accum-steps to keep the effective batch)")
+    return (f"out of memory {where} ({tried}); {smaller}, use --precision bf16, or shard the model with --sync "
+            f"fsdp; {hint}")

@@ -37,6 +37,9 @@ def check_resume(loaded: LoadedCheckpoint, config: Config, task: RunTask) -> lis
     for section, kind in SECTIONS.items():
         changes += _differences(state.config.get(section, {}), getattr(config, section), kind)
     changes += _differences(state.task.options, task.options, type(task.options))
+    if state.config.get("train", {}).get("global_batch_size") and config.train.global_batch_size:
+        # Where --global-batch-size sets each rank's micro-batch, before and now, --batch-size was never used.
+        changes = [change for change in changes if change[0] != "batch_size"]
     refused = [change for change in changes if change[3] is ResumeRule.REFUSE]
     if refused:
         name, saved, now, _ = refused[0]
@@ -53,8 +56,8 @@ def check_resume(loaded: LoadedCheckpoint, config: Config, task: RunTask) -> lis
 
 
 def _differences(saved: Mapping[str, Any], current: Any, kind: type) -> list[tuple[str, Any, Any, ResumeRule]]:
-    """(name, saved value, current value, rule) for each field whose value changed; fields the checkpoint
-    does not have (added since) are not compared."""
+    """(name, saved value, current value, rule) for each field whose value changed. A field the checkpoint does
+    not have (added since) was trained with that field's default: the behaviour before it existed."""
     if not dataclasses.is_dataclass(current):
         return []
     changed = []
@@ -63,6 +66,7 @@ def _differences(saved: Mapping[str, Any], current: Any, kind: type) -> list[tup
             continue
         # Checkpoints hold configs redacted (no URL's password or token): compare with this run's, redacted.
         now = redacted(getattr(current, field.name))
-        if field.name in saved and saved[field.name] != now:
-            changed.append((field.name, saved[field.name], now, resume_rule(field)))
+        was = saved.get(field.name, field.default)
+        if was is not dataclasses.MISSING and was != now:
+            changed.append((field.name, was, now, resume_rule(field)))
     return changed

@@ -49,7 +49,7 @@ def test_running_out_of_memory_is_one_line_naming_the_step_and_what_to_change(tm
     assert result.stderr.strip().splitlines()[-1] == (
         "[rank 0] error: out of memory at optimizer step 3 (CUDA out of memory. Tried to allocate 16.00 TiB. GPU 0 "
         "has a total capacity of 0 bytes (raised by the test task on the CPU)); lower --batch-size (with "
-        "--grad-accum to keep the effective batch), use --precision bf16, or shard the model with --sync fsdp; "
+        "--grad-accum-steps to keep the effective batch), use --precision bf16, or shard the model with --sync fsdp; "
         "--memory-snapshot-on-oom records what held the memory"), result.stderr[-3000:]
     warning = "--memory-snapshot-on-oom records CUDA's allocator; this run is on cpu, so it records nothing"
     assert warning in result.stderr

@@ -54,6 +54,8 @@ def test_config_round_trips_through_its_yaml_layout():
     (["--sync", "carrier-pigeon"], "--sync 'carrier-pigeon': no such gradient synchronisation method"),
     (["--global-batch-size", "-8"], "--global-batch-size must be >= 0"),
     (["--global-batch-size", "24", "--scale-lr"], "--scale-lr multiplies the learning rate by the world size, but"),
+    (["--global-batch-size", "24", "--grad-accum-steps", "5"], "--global-batch-size 24 does not divide into "
+                                                                "--grad-accum-steps 5 micro-batches at any world size"),
 ])
 def test_invalid_values_name_the_flag(argv, message):
     with pytest.raises(ConfigError, match=message):
@@ -141,3 +143,24 @@ def test_a_script_that_fixes_its_task_refuses_a_config_naming_another(tmp_path):
     file.write_text("task:\n  name: classification\n")
     with pytest.raises(ConfigError, match="the config names task 'classification', but this script trains its own"):
         parse_config(["--config", str(file)], task=WindowTask)
+
+
+def test_a_setting_a_checkpoint_predates_counts_as_its_default_on_resume():
+    """A checkpoint written before --global-batch-size existed trained without it: resuming with it is a change."""
+    from trainer.config import TrainConfig
+    from trainer.options import ResumeRule
+    from trainer.resume import _differences
+
+    older = {"epochs": 3, "batch_size": 128, "eval_batch_size": 512, "eval_every": 0, "max_steps": 0, "seed": 0,
+             "sync": "ddp"}
+    assert _differences(older, TrainConfig(), TrainConfig) == []
+    assert _differences(older, TrainConfig(global_batch_size=24), TrainConfig) == [
+        ("global_batch_size", 0, 24, ResumeRule.FLAG)]
+
+
+def test_out_of_memory_under_a_global_batch_advises_accumulation_not_a_smaller_batch_size():
+    from trainer.profiling import out_of_memory_message
+
+    said = out_of_memory_message(RuntimeError("CUDA out of memory. Tried"), 2, None, global_batch=True)
+    assert "; raise --grad-accum-steps (each micro-batch shrinks, the step stays --global-batch-size), " in said
+    assert "--batch-size" not in said

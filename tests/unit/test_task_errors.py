@@ -108,6 +108,19 @@ def test_a_changed_option_of_a_task_is_refused_or_needs_the_flag(capsys, tmp_pat
     assert "resuming with a change: --lr 0.001 -> 0.01" in capsys.readouterr().err
 
 
+def test_under_a_global_batch_the_unused_batch_size_may_change_and_the_global_one_is_flagged(capsys, tmp_path):
+    args = ["--task", "classification", "--dataset", "synthetic", "--synthetic-train-size", "64",
+            "--synthetic-test-size", "32", *TINY, "--output-dir", str(tmp_path), "--global-batch-size", "16"]
+    assert run(argv=args) == 0
+    assert "--global-batch-size 16: 16 sample(s) per rank per micro-batch at 1 rank(s) (--batch-size is not used)" \
+        in capsys.readouterr().err
+    assert run(argv=[*args, "--batch-size", "4", "--epochs", "2"]) == 0  # --batch-size was never used: no flag
+    assert "resuming with a change: --epochs 1 -> 2" in capsys.readouterr().err
+    assert "--global-batch-size 16 -> 32, which changes the training from here on; to resume so, pass " \
+           "--allow-resume-change global_batch_size" in fails(capsys, tmp_path, "classification", *args[2:],
+                                                              "--global-batch-size", "32", "--epochs", "3")
+
+
 def test_a_bad_item_found_in_a_dataloader_worker_is_the_same_one_line(capsys, tmp_path):
     """The DataLoader re-raises a worker's error with the worker's traceback as its message; the user sees
     the original line only."""
