@@ -12,7 +12,16 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from devtools.processes import DDP_TORCHRUN, REPO_ROOT, clean_env, free_port, kill_marked, kill_tree
+from devtools.processes import (
+    DDP_TORCHRUN,
+    REPO_ROOT,
+    clean_env,
+    free_port,
+    kill_marked,
+    kill_tree,
+    marked,
+    python_stacks,
+)
 
 # The round closes 1 s after the smallest size is there (30 s by default); a lost agent is dropped after 3 missed
 # keep-alives 1 s apart (5 s apart by default: 15 s).
@@ -64,7 +73,8 @@ class ElasticJob:
         deadline = time.monotonic() + timeout_s
         while not condition():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"waited {timeout_s:.0f} s for {what}; the agents said:\n{self.logs()}")
+                raise TimeoutError(f"waited {timeout_s:.0f} s for {what}; the agents said:\n{self.logs()}\n"
+                                   f"and their processes were at:\n{python_stacks(marked(self.mark))}")
             time.sleep(0.2)
 
 

@@ -93,15 +93,39 @@ def kill_tree(pid: int) -> None:
             os.kill(member, signal.SIGKILL)
 
 
-def kill_marked(mark: str) -> None:
-    """SIGKILL to every process whose environment holds ``DDP_DEVTOOLS_MARK=mark``: what a test started and all
-    that those started, also the ones left to init when their parent died (which a tree misses)."""
+def marked(mark: str) -> list[int]:
+    """Every process whose environment holds ``DDP_DEVTOOLS_MARK=mark``: what a test started and all that those
+    started, also the ones left to init when their parent died (which a tree misses)."""
     wanted = f"DDP_DEVTOOLS_MARK={mark}".encode()
+    found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) != os.getpid():
             with contextlib.suppress(OSError):
                 if wanted in (entry / "environ").read_bytes().split(b"\0"):
-                    os.kill(int(entry.name), signal.SIGKILL)
+                    found.append(int(entry.name))
+    return found
+
+
+def kill_marked(mark: str) -> None:
+    """SIGKILL to every marked process (``marked``)."""
+    for pid in marked(mark):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def python_stacks(pids: Sequence[int]) -> str:
+    """Each process's Python stacks, by py-spy (the dev extra's, beside this interpreter): where a hung test's
+    processes were, for its failure message. Empty where py-spy is missing."""
+    spy = Path(sys.executable).parent / "py-spy"
+    if not spy.is_file():
+        return ""
+    dumps = []
+    for pid in pids:
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            dumped = subprocess.run([str(spy), "dump", "--pid", str(pid)], capture_output=True, text=True,
+                                    timeout=30, check=False)
+            dumps.append(f"--- py-spy dump --pid {pid}\n{dumped.stdout}{dumped.stderr}")
+    return "\n".join(dumps)
 
 
 def wait_until_answers(process: subprocess.Popen, url: str, what: str, timeout_s: float,
