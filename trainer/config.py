@@ -290,7 +290,7 @@ class Config:
         if global_batch % accum:
             raise ConfigError(f"--global-batch-size {global_batch} does not divide into --grad-accum-steps {accum} "
                               f"micro-batches at any world size; give a multiple of {accum}")
-        if self.train.global_batch_size and self.optim.scale_lr:
+        if global_batch and self.optim.scale_lr:
             raise ConfigError("--scale-lr multiplies the learning rate by the world size, but with "
                               "--global-batch-size the batch of a step does not grow with it; give the learning rate "
                               "for that global batch, without --scale-lr")

@@ -128,17 +128,15 @@ class Project:
         """`docker compose up`, attached: returns when every container has exited."""
         return self.compose("up", "--no-build", "--pull", "never", **settings)
 
-    def start(self, **settings: str) -> None:
-        """`docker compose up --detach`: returns once the containers are started."""
-        started = self.compose("up", "--detach", "--no-build", "--pull", "never", **settings)
+    def start(self, *options: str, **settings: str) -> None:
+        """`docker compose up --detach` (and ``options``): returns once the containers are started."""
+        started = self.compose("up", "--detach", "--no-build", "--pull", "never", *options, **settings)
         assert started.returncode == 0, started.stderr
 
     def scale(self, nodes: int, **settings: str) -> None:
         """`docker compose up --scale node=N` on the running project: stops and removes the containers above N,
         or starts new ones, and leaves the others as they are."""
-        scaled = self.compose("up", "--detach", "--no-build", "--pull", "never", "--no-recreate", "--scale",
-                              f"node={nodes}", **settings)
-        assert scaled.returncode == 0, scaled.stderr
+        self.start("--no-recreate", "--scale", f"node={nodes}", **settings)
 
     def states(self) -> dict[str, dict[str, Any]]:
         """Each container's name -> its Docker state and restart count."""

@@ -75,17 +75,25 @@ def run_job(source: str, run: Runner, workdir: Path, claim: Path, *changes: dict
     objects = render(source)
     (job,) = of_kind(objects, "PyTorchJob")
     assert admission_errors(job) == []
-    maps = config_maps(objects)
     if not torch.cuda.is_available():
         changes = (*changes, WITHOUT_GPUS)
-    maps[CONFIG_MAP][CONFIG_KEY] = edited(maps[CONFIG_MAP][CONFIG_KEY], *changes)
-    pods = []
-    for plan in pod_plans(job):
-        (workdir / plan.name).mkdir(parents=True)
-        pods.append(prepare(plan, maps, {CLAIM: claim}, workdir / plan.name))
+    pods = prepared(source, pod_plans(job), workdir, claim, *changes)
     results = run(pods, workdir)
     failed = [r for r in results if r.returncode != 0]
     assert not failed, "\n".join(f"--- pod {r.name} exited {r.returncode}:\n{r.log[-4000:]}" for r in failed)
+    return pods
+
+
+def prepared(source: str, plans: list[PodPlan], workdir: Path, claim: Path, *changes: dict[str, dict[str, Any]]
+             ) -> list[Pod]:
+    """Each planned pod made concrete in a folder of its own under ``workdir``: the source's ConfigMap edited by
+    ``changes``, the claim's folder as its volume."""
+    maps = config_maps(render(source))
+    maps[CONFIG_MAP][CONFIG_KEY] = edited(maps[CONFIG_MAP][CONFIG_KEY], *changes)
+    pods = []
+    for plan in plans:
+        (workdir / plan.name).mkdir(parents=True)
+        pods.append(prepare(plan, maps, {CLAIM: claim}, workdir / plan.name))
     return pods
 
 
@@ -137,16 +145,11 @@ def loses_a_pod_and_goes_on_alone(source: str, plans: list[PodPlan], tmp_path: P
     mid-epoch (every process of it killed, as its node going down does), the first one's torchrun re-forms the job
     alone and resumes from the newest checkpoint, and trains every sample of the epoch once."""
     samples, batch = 2048, 8
-    maps = config_maps(render(source))
     long_enough = {"train": {"epochs": 1, "batch_size": batch}, "checkpoint": {"checkpoint_every": 10},
                    "data": {"max_train_samples": samples, "max_test_samples": 256}}
-    maps[CONFIG_MAP][CONFIG_KEY] = edited(maps[CONFIG_MAP][CONFIG_KEY], long_enough, WITHOUT_GPUS)
     claim = tmp_path / "claim"
     claim.mkdir()
-    pods = []
-    for plan in plans:
-        (tmp_path / "pods" / plan.name).mkdir(parents=True)
-        pods.append(prepare(plan, maps, {CLAIM: claim}, tmp_path / "pods" / plan.name))
+    pods = prepared(source, plans, tmp_path / "pods", claim, long_enough, WITHOUT_GPUS)
     if os.geteuid() != 0:
         unavailable("pods run as processes in mount namespaces of their own: root only")
     first, second = (pod.name for pod in pods)
