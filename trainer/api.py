@@ -20,7 +20,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from trainer.build import build_training
-from trainer.checkpoint import CheckpointManager, Monitor
+from trainer.checkpoint import CheckpointManager, Committed, Monitor
 from trainer.checkpoint.manager import FAILED, FINISHED, STOPPED
 from trainer.cli import dump_yaml, layout, parse_config
 from trainer.config import Config
@@ -86,12 +86,14 @@ TIMED_OUT = re.compile(r"Timed out waiting|Watchdog caught collective operation 
                        r"timeout caused pair closure", re.IGNORECASE)
 
 
-def run(task: str | type | None = None, argv: Sequence[str] | None = None, **settings: Any) -> int:
+def run(task: str | type | None = None, argv: Sequence[str] | None = None, *,
+        on_commit: Callable[[Committed], None] | None = None, **settings: Any) -> int:
     """Train ``task`` (a task class, a built-in's name or ``package.module:Class``; None: from --task).
 
     ``settings`` are config values as in the YAML file (``epochs=5``, ``optim={"lr": 0.01}``, a task's
     options): the script's defaults, which a --config file and then the command line (``argv``, default
-    sys.argv[1:]) override. Returns the exit code.
+    sys.argv[1:]) override. ``on_commit``: a launcher's hook, called on every rank at the same point once every
+    rank knows a checkpoint committed (trainer.on_ray reports it to Ray Train). Returns the exit code.
     """
     rank = os.environ.get("RANK", "0")
     prog = Path(sys.argv[0]).name if task is not None else "ddp-train"
@@ -107,7 +109,7 @@ def run(task: str | type | None = None, argv: Sequence[str] | None = None, **set
             if choose_backend(config.dist, device) == "nccl":
                 apply_nccl_environment(os.environ)
         with process_group(config.dist, identity, device) as runtime:
-            train(config, chosen, runtime)
+            train(config, chosen, runtime, on_commit)
         return EXIT_OK
     except UserError as error:
         retry = (f"; exiting with {EXIT_PEER_LOST} so the launcher restarts the job from its last checkpoint"
@@ -206,7 +208,8 @@ def _prepare_and_fit(config: Config, task: RunTask, runtime: Runtime, checkpoint
         trainer.close()
 
 
-def train(config: Config, task: RunTask, runtime: Runtime) -> dict[str, object]:
+def train(config: Config, task: RunTask, runtime: Runtime,
+          on_commit: Callable[[Committed], None] | None = None) -> dict[str, object]:
     """One training run in a joined group: returns (and rank 0 writes) the summary."""
     log = setup_logging(runtime.identity)
     started = time.perf_counter()
@@ -220,6 +223,7 @@ def train(config: Config, task: RunTask, runtime: Runtime) -> dict[str, object]:
     watcher = PreemptionWatcher(config.checkpoint.grace_period_s, runtime, log)
     watcher.install()  # before the slow parts, so an early SIGTERM is not lost
     checkpoints = CheckpointManager(config.checkpoint, config.checkpoint_location, runtime, log, Monitor(*task.monitor))
+    checkpoints.on_commit = on_commit
     watcher.before_forced_exit = lambda: checkpoints.release_lease(STOPPED)
     if runtime.liveness is not None:
         runtime.liveness.watch_progress(config.dist.collective_timeout_s + PROGRESS_GRACE_S,

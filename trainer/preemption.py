@@ -38,6 +38,13 @@ class PreemptionWatcher:
         self._stopping_since: float | None = None  # time.monotonic() of the signal, or of the vote that told of one
 
     def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            # Signals reach only the main thread, and only it may set their handlers: here a launcher owns it (Ray
+            # Train runs the training function in a thread of its worker) and stops the workers itself. A stop
+            # then loses the steps since the last checkpoint, as a kill does (docs/ray.md).
+            self.log.info("training runs outside the process's main thread: stop signals are the launcher's; "
+                          "no checkpoint at SIGTERM")
+            return
         for signum in (signal.SIGTERM, signal.SIGINT):
             self._previous[signum] = signal.signal(signum, self._on_signal)
 

@@ -52,6 +52,16 @@ class Monitor:
 
 
 @dataclass
+class Committed:
+    """A checkpoint every rank knows to be committed, as CheckpointManager.on_commit is told of it."""
+
+    step: int
+    epoch: int  # the epochs completed at that step
+    metrics: dict[str, float]  # the evaluation's, for a save at the end of an epoch; else empty
+    location: str | None = None  # its folder or URL, on rank 0 (which commits); None on the other ranks
+
+
+@dataclass
 class SaveTiming:
     write_s: float = 0.0  # serialise + checksum + write + fsync + commit
     bytes: int = 0
@@ -77,6 +87,10 @@ class CheckpointManager:
         self._host = HostSnapshots()
         self._side_group: Any = None  # the sharded writers' own gloo group, made at the first sharded save
         self.lease: CheckpointLease | None = None
+        # Told, on every rank at the same point, of each checkpoint every rank knows to be committed (a launcher's
+        # hook: Ray Train's report, trainer.on_ray): see Committed.
+        self.on_commit: Callable[[Committed], None] | None = None
+        self._unconfirmed: Committed | None = None  # the save launched last, until every rank knows its outcome
 
     # -- start ---------------------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -170,6 +184,8 @@ class CheckpointManager:
         waits for that copy.
         """
         self._raise_everywhere(*self._wait_for_writer())
+        self._confirm()
+        self._unconfirmed = Committed(state.position.step, state.position.epoch, dict(metrics or {}))
         if shards.has_sharded(state.parts):
             self._save_sharded(state, metrics)
             return
@@ -188,6 +204,7 @@ class CheckpointManager:
                 error, stalled = self._wait_for_writer()
         if not self.config.async_checkpoint:
             self._raise_everywhere(error, stalled)
+            self._confirm()
 
     def _save_sharded(self, state: TrainingState, metrics: dict[str, float] | None) -> None:
         """Every rank writes its share of the tensors into the new folder through DCP (trainer.checkpoint.dcp_files),
@@ -222,6 +239,7 @@ class CheckpointManager:
                             (name, temporary, tensors, split.layout, raw, described, copies, group))
         if not self.config.async_checkpoint:
             self._raise_everywhere(*self._wait_for_writer())
+            self._confirm()
 
     def side_group(self) -> Any:
         """The checkpoint's own gloo group, made once on every rank (a collective): DCP's planning and the ranks'
@@ -333,6 +351,17 @@ class CheckpointManager:
     def finish(self) -> None:
         """Wait for a background write and make its failure every rank's error."""
         self._raise_everywhere(*self._wait_for_writer())
+        self._confirm()
+
+    def _confirm(self) -> None:
+        """Every rank has just learnt that the save launched last committed (its error would have been raised):
+        tell on_commit, once, with the checkpoint's location on rank 0."""
+        committed, self._unconfirmed = self._unconfirmed, None
+        if committed is None or self.on_commit is None:
+            return
+        if self.runtime.is_main and self.last_committed is not None:
+            committed.location = self.storage.describe(self.last_committed)
+        self.on_commit(committed)
 
     @property
     def stalled(self) -> bool:

@@ -2,10 +2,10 @@
 
 This package is the only place that reads launcher variables. One module per dialect, each a ``Launcher``
 (``base``); ``LAUNCHERS`` asks them in order and the first whose ``detect`` holds reads the identity. The
-order puts the more specific first: torchrun's variables win over Slurm's (one torchrun per node under
-srun), a PyTorchJob's ``PET_*`` beside ``RANK`` mark it apart from plain variables, and a process that no
-dialect claims is a single process. A new dialect is a module here and its place in ``LAUNCHERS``
-(docs/architecture.md).
+order puts the more specific first: Ray Train's workers (whose variables look like torchrun's) first,
+torchrun's variables win over Slurm's (one torchrun per node under srun), a PyTorchJob's ``PET_*`` beside
+``RANK`` mark it apart from plain variables, and a process that no dialect claims is a single process. A new
+dialect is a module here and its place in ``LAUNCHERS`` (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from trainer.launchers.base import LaunchEnv, Launcher, is_loopback
 from trainer.launchers.identity import DistIdentity
 from trainer.launchers.plain import PlainEnvironment
 from trainer.launchers.pytorchjob import PyTorchJob
+from trainer.launchers.ray_train import RayTrain
 from trainer.launchers.single import SingleProcess
 from trainer.launchers.slurm import SlurmBatchScript, SlurmTasks
 from trainer.launchers.slurm_torchrun import TorchrunUnderSlurm
@@ -26,8 +27,8 @@ from trainer.launchers.trainjob import TrainJob
 __all__ = ["ELASTIC_AGENT_ENV", "LAUNCHERS", "LAUNCHER_PREFIXES", "LAUNCHER_VARIABLES", "DistIdentity", "LaunchEnv",
            "Launcher", "identity_from_env", "is_loopback", "launcher_of", "without_launcher_variables"]
 
-LAUNCHERS: tuple[Launcher, ...] = (TorchrunUnderSlurm(), Torchrun(), PyTorchJob(), PlainEnvironment(), SlurmTasks(),
-                                   SlurmBatchScript(), TrainJob(), SingleProcess())
+LAUNCHERS: tuple[Launcher, ...] = (RayTrain(), TorchrunUnderSlurm(), Torchrun(), PyTorchJob(), PlainEnvironment(),
+                                   SlurmTasks(), SlurmBatchScript(), TrainJob(), SingleProcess())
 
 # Every variable a dialect reads (and --job-id's variable), and the prefixes of families of them.
 LAUNCHER_VARIABLES = tuple(dict.fromkeys(name for launcher in LAUNCHERS for name in launcher.variables)) + (

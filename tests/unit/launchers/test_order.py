@@ -10,6 +10,7 @@ from trainer import launchers
 from trainer.launchers import LAUNCHERS, LaunchEnv, identity_from_env, launcher_of, without_launcher_variables
 from trainer.launchers.plain import PlainEnvironment
 from trainer.launchers.pytorchjob import PyTorchJob
+from trainer.launchers.ray_train import RayTrain
 from trainer.launchers.single import SingleProcess
 from trainer.launchers.slurm import SlurmBatchScript, SlurmTasks
 from trainer.launchers.slurm_torchrun import TorchrunUnderSlurm
@@ -55,6 +56,8 @@ TORCHRUN = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE
 
 @pytest.mark.parametrize(("variables", "dialect"), [
     ({}, SingleProcess),
+    ({**TORCHRUN, "DDP_RAY_RUN": "/runs/r"}, RayTrain),  # Ray's workers look like torchrun's, and come first
+    ({**SLURM_STEP, **TORCHRUN, "DDP_RAY_RUN": "/runs/r"}, RayTrain),  # a Ray cluster on Slurm's nodes
     ({**SLURM_STEP, **TORCHRUN}, TorchrunUnderSlurm),  # one torchrun per node under srun: torchrun's places
     (TORCHRUN, Torchrun),
     ({"RANK": "0", "WORLD_SIZE": "2", "PET_NNODES": "2"}, PyTorchJob),

@@ -1,0 +1,176 @@
+"""ddp-train-ray on a real Ray cluster: a head and two worker nodes started with ``ray start`` on loopback
+(devtools/ray_cluster.py), one CPU and so one trainer worker each.
+
+One elastic run (1 to 2 workers) lives through what Ray does to a job: a worker process killed mid-epoch (Ray
+restarts the group at the same size), a node lost (Ray goes on with one worker), the node back (Ray grows the group
+to two), and the driver killed and started again with the same run. Ray's own data iterator repeats or skips
+samples across such restarts; the ledger task counts every sample of the epoch trained exactly once, and the model
+ends bitwise equal to the same epoch trained straight through. More workers than the cluster can place get one
+line (tests/unit/test_on_ray.py has the bad inputs that need no cluster).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from devtools.processes import clean_env, torchrun
+from devtools.ray_cluster import RayCluster
+from tests.integration.test_elastic import checkpoint_folders
+from tests.integration.test_resize import LEDGER
+from tests.support.checkpoint_reading import summary
+from tests.support.ledger_checks import assert_each_sample_trained_once, ledger, segments
+from trainer.on_ray import RayRun, run_on_ray
+
+pytestmark = pytest.mark.slow
+
+# 48 steps of 12 samples at any worker count: enough for four interruptions, each of which costs Ray a restart of
+# its worker group (15-30 s here) and the trainer the steps since its last checkpoint (at most 2).
+SAMPLES, GLOBAL_BATCH = 576, 12
+STEPS = SAMPLES // GLOBAL_BATCH
+ONE_EPOCH = [*[arg for arg in LEDGER if arg != "--sample-log"], "--train-size", str(SAMPLES), "--global-batch-size",
+             str(GLOBAL_BATCH)]
+PACED = [*[arg if arg != "tests.support.ledger:LedgerTask" else "tests.support.ledger:PacedLedgerTask"
+           for arg in ONE_EPOCH], "--step-delay-s", "0.25", "--checkpoint-every", "2"]
+# A worker group Ray starts on a node that just died waits this long to fail (Ray's default, 60 s, would make the
+# node-lost restart most of the test's time); then Ray starts the group with the nodes there are.
+DRIVER_ENV = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20"}
+NEWEST = re.compile(r"Ray run (\S+): newest checkpoint (\S+)")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RayCluster]:
+    with RayCluster() as started:
+        started.add_node("a")
+        started.add_node("b")
+        yield started
+
+
+class Driver:
+    """``ddp-train-ray`` started as a user starts it, its output (the workers' logs too) in a file."""
+
+    def __init__(self, folder: Path, name: str, args: list[str], cluster: RayCluster) -> None:
+        self.log = folder / f"{name}.log"
+        with self.log.open("w") as out:
+            self.process = subprocess.Popen([sys.executable, "-m", "trainer.on_ray", *args], stdout=out,
+                                            stderr=subprocess.STDOUT, env=clean_env({**cluster.env(), **DRIVER_ENV}),
+                                            text=True, start_new_session=True)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for(self, condition: Callable[[], bool], what: str, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            if self.process.poll() is not None and not condition():
+                raise AssertionError(f"the driver ended ({self.process.returncode}) before {what}:\n"
+                                     f"{self.text()[-5000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout_s}s waiting for {what}:\n{self.text()[-5000:]}")
+            time.sleep(0.2)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+
+
+def only(pids: list[int]) -> int:
+    assert len(pids) == 1, pids
+    return pids[0]
+
+
+def resumed(drivers: list[Driver]) -> list[tuple[int, int]]:
+    """(world size, step) of each resume, once each: three raylets on one machine forward each log line thrice."""
+    return sorted(set(segments([driver.text() for driver in drivers])), key=lambda segment: segment[1])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
+    output = tmp_path_factory.mktemp("uninterrupted")
+    result = torchrun([*ONE_EPOCH, "--output-dir", str(output)], nproc=1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return ledger(output)
+
+
+def test_a_run_loses_a_worker_its_driver_and_a_node_then_grows_back_and_trains_every_sample_once(
+        tmp_path, cluster, uninterrupted):
+    storage, name = tmp_path / "ray", "ledger"
+    run = storage / name
+    run_args = ["--storage-path", str(storage), "--run-name", name, "--max-failures", "6", *PACED]
+    elastic, fixed = ["--num-workers", "1:2", "--resize-check-s", "2", *run_args], ["--num-workers", "2", *run_args]
+    drivers = [Driver(tmp_path, "driver-0", elastic, cluster)]
+    restarts: dict[str, float] = {}
+
+    def resumes_after(count: int, world: int) -> Callable[[], bool]:
+        return lambda: len(resumed(drivers)) > count and resumed(drivers)[-1][0] == world
+
+    def newest_step() -> int:
+        return max(checkpoint_folders(run).values(), default=0)
+
+    def interrupt(what: str, count: int, world: int, action: Callable[[], None]) -> None:
+        """After a few more checkpoints: the action, then the wait for the run to resume at ``world`` workers."""
+        at = newest_step()
+        drivers[-1].wait_for(lambda: newest_step() >= at + 4, f"training to go on before: {what}")
+        started = time.monotonic()
+        action()
+        drivers[-1].wait_for(resumes_after(count, world), f"the run to resume at {world} worker(s) after: {what}")
+        restarts[what] = time.monotonic() - started
+
+    def restart_driver() -> None:
+        # The driver and its workers killed, the run started again: a fixed size, since Ray's elastic policy keeps
+        # a dead driver's reservation of the cluster for 180 s (AUTOSCALING_REQUESTS_EXPIRE_TIME_S), and an elastic
+        # run started again meanwhile finds no room for a worker.
+        drivers[-1].kill()
+        drivers.append(Driver(tmp_path, "driver-1", fixed, cluster))
+
+    try:
+        # A worker process killed: Ray restarts the group, at the same size (both nodes are there).
+        interrupt("worker killed", 0, 2, lambda: os.kill(only(cluster.worker_pids("b")), signal.SIGKILL))
+        # A node lost: Ray goes on with the one worker it can place; the node back: Ray grows the group again.
+        interrupt("node lost", 1, 1, lambda: cluster.lose_node("b"))
+        interrupt("node added", 2, 2, lambda: cluster.add_node("b"))
+        interrupt("driver started again", 3, 2, restart_driver)
+        driver = drivers[-1]
+        driver.wait_for(lambda: driver.process.poll() is not None, "the run to end", timeout_s=240)
+        assert driver.process.returncode == 0, driver.text()[-5000:]
+    finally:
+        for driver in drivers:
+            driver.kill()
+    print("restart times:", {what: round(seconds, 1) for what, seconds in restarts.items()})
+    history = resumed(drivers)
+    assert [world for world, _ in history] == [2, 1, 2, 2], history
+    assert [step for _, step in history] == sorted({step for _, step in history}), "each resumes a newer one"
+    assert history[-1][1] < STEPS, "the last restart came before the end of the epoch"
+    assert summary(run)["global_step"] == STEPS
+    weights = ledger(run)
+    assert_each_sample_trained_once(weights, [GLOBAL_BATCH] * STEPS)
+    assert torch.equal(weights, uninterrupted), "bitwise the model of the uninterrupted run at one rank"
+    # Ray's newest checkpoint points at the trainer's, reported as it committed.
+    (reported,) = set(NEWEST.findall(drivers[-1].text()))
+    assert reported == (str(run), str(run / "checkpoints" / f"step-{STEPS:08d}")), reported
+    logs = "".join(driver.text() for driver in drivers)
+    # Every worker group is the run's: none refused by the lease, and a lease left by a killed group is taken as
+    # an earlier attempt's of the same job.
+    assert "in use by another job" not in logs
+    takeovers = set(re.findall(r"took over the lease of checkpoint folder \S+ from (.*)", logs))
+    assert takeovers <= {f"an earlier attempt of this job (ray-run:{run})"}, takeovers
+    assert "via ray" in logs
+
+
+def test_more_workers_than_the_cluster_can_place_are_refused_in_one_line(tmp_path, cluster, monkeypatch, capsys):
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    code = run_on_ray(None, ONE_EPOCH, RayRun(num_workers=(3, 3), storage_path=str(tmp_path)))
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code == 2 and errors == ["error: --num-workers 3: the Ray cluster has room for 2 worker(s) of 1 CPU each; "
+                                    "add nodes, lower --num-workers or --cpus-per-worker, or pass --cluster-autoscales "
+                                    "if its autoscaler adds nodes"], errors

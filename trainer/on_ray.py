@@ -1,0 +1,339 @@
+"""Ray Train as a launcher: ``ddp-train-ray`` and ``run_on_ray``, the trainer's run in every worker of a Ray Train
+``TorchTrainer``.
+
+Each Ray worker runs ``trainer.run``, the same code path as under any other launcher, with the trainer's own
+process group: Ray places the workers and names worker 0's address and a free port on it (MASTER_ADDR,
+MASTER_PORT), but does not join a group itself (``TrainerProcessGroup``). The trainer's group is the one it makes
+under every launcher: its backend choice, its --collective-timeout-s, the NCCL and flight-recorder settings that
+must be in place before the group exists, and its liveness store (heartbeats, stall diagnosis).
+
+The run's folder, ``STORAGE_PATH/NAME`` (Ray's ``RunConfig``), is the trainer's --output-dir by default. Each
+checkpoint is reported to Ray as it commits (``ray.train.report``), as a Checkpoint that points at it, not a copy of
+it (``write_pointer``): Ray's newest checkpoint is the trainer's newest committed one, or one behind it when a worker
+died between the commit and the report. A restarted worker group (after a failure, a resize of an elastic run, or
+the driver started again with the same run) resumes from the newest committed checkpoint with --resume latest, at
+the exact sample where it stopped, for any number of workers (--global-batch-size keeps the optimisation the same
+across sizes). The checkpoints may be anywhere every worker reaches (--checkpoint-dir: a shared folder, s3://).
+
+Ray Train runs the training function in a thread of each worker: stop signals go to Ray, not to the trainer
+(trainer.preemption), and a stopped or resized worker group loses the steps since the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import socket
+import sys
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer.api import run
+from trainer.checkpoint import Committed
+from trainer.cli import parse_config
+from trainer.errors import EXIT_OK, EXIT_PEER_LOST, EXIT_USAGE, UserError, first_line
+from trainer.launchers.ray_train import RAY_RUN_VARIABLE
+from trainer.redact import redact
+
+__all__ = ["RayRun", "main", "run_on_ray"]
+
+# How long the cluster's address may take to accept a connection before the run is refused.
+CONNECT_TIMEOUT_S = 10.0
+# Ray's checkpoints, in the run's folder: each a folder holding the trainer checkpoint's location (write_pointer).
+POINTERS, POINTER_FILE = "ray-checkpoints", "checkpoint.json"
+RAY_MISSING = "Ray Train is not installed: pip install 'ddp-deploy[ray]' (or ray[train] itself)"
+
+
+class RayLaunchError(UserError):
+    """A Ray run that cannot start: the cluster, its capacity, or the run's folder."""
+
+
+@dataclass(frozen=True)
+class RayRun:
+    """How Ray runs the trainer: the workers (ScalingConfig), the run (RunConfig) and the cluster."""
+
+    num_workers: tuple[int, int] = (1, 1)  # (min, max): equal for a fixed size; otherwise Ray resizes within it
+    name: str = "ddp-train"  # RunConfig(name): the run, across Ray's restarts and a driver started again
+    storage_path: str = "~/ray_results"  # RunConfig(storage_path): a folder every worker reaches
+    address: str | None = None  # ray.init(address): None joins a running local cluster or starts one
+    use_gpu: bool = False  # one GPU per worker (NCCL)
+    cpus_per_worker: float = 1.0
+    max_failures: int = 3  # FailureConfig(max_failures): worker-group restarts after failures
+    # An elastic run: how often Ray looks for room to grow (ScalingConfig's elastic_resize_monitor_interval_s).
+    resize_check_s: float = 60.0
+    cluster_autoscales: bool = False  # workers that do not fit now may fit later: do not refuse them at the start
+
+    @property
+    def folder(self) -> str:
+        """The run's folder: Ray's RunConfig storage path and name, the trainer's --output-dir."""
+        return str(Path(os.path.expanduser(self.storage_path)).absolute() / self.name)
+
+    @property
+    def elastic(self) -> bool:
+        return self.num_workers[0] != self.num_workers[1]
+
+
+def run_on_ray(task: str | type | None = None, argv: Sequence[str] = (), ray_run: RayRun | None = None,
+               **settings: Any) -> int:
+    """Train ``task`` (as trainer.run takes it) with Ray Train; ``argv`` are the trainer's flags, ``settings`` its
+    config values. Returns the exit code: 0, EXIT_USAGE for input to fix, EXIT_PEER_LOST when Ray gave up."""
+    ray_run = ray_run or RayRun()
+    try:
+        trainer_argv = _trainer_arguments(task, argv, ray_run, settings)
+        return _fit(task, trainer_argv, ray_run, settings)
+    except UserError as error:
+        print(f"error: {redact(str(error))}", file=sys.stderr, flush=True)
+        return error.exit_code
+
+
+def _trainer_arguments(task: str | type | None, argv: Sequence[str], ray_run: RayRun,
+                       settings: Mapping[str, Any]) -> list[str]:
+    """The trainer's flags with the run's folder as --output-dir (the user's own flags come after it, and win),
+    checked on the driver: a bad flag is one line here, not a failure in every worker and every restart."""
+    if "://" in ray_run.storage_path:
+        raise RayLaunchError(f"--storage-path {ray_run.storage_path}: Ray's run folder must be a folder every worker "
+                             f"mounts (NFS, a shared volume) under ddp-train-ray; the checkpoints themselves may go "
+                             f"to an object store (--checkpoint-dir s3://...)")
+    arguments = ["--output-dir", ray_run.folder, *argv]
+    parse_config(arguments, task=task, settings=settings, prog="ddp-train-ray")
+    return arguments
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+        import ray.train  # noqa: F401 - the Train library, an extra of ray
+        import ray.train.torch  # noqa: F401
+    except ImportError:
+        raise RayLaunchError(RAY_MISSING) from None
+    return ray
+
+
+def _fit(task: str | type | None, argv: list[str], ray_run: RayRun, settings: Mapping[str, Any]) -> int:
+    ray = _import_ray()
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    # A Python caller may have joined the cluster its own way (ray.init with a runtime_env, say): that connection
+    # is used, and left open.
+    joined_here = not ray.is_initialized()
+    if joined_here:
+        _connect(ray, ray_run)
+    try:
+        _check_capacity(ray, ray_run)
+        low, high = ray_run.num_workers
+        scaling = ScalingConfig(num_workers=low if low == high else (low, high), use_gpu=ray_run.use_gpu,
+                                resources_per_worker={"CPU": ray_run.cpus_per_worker,
+                                                      **({"GPU": 1} if ray_run.use_gpu else {})},
+                                elastic_resize_monitor_interval_s=ray_run.resize_check_s)
+        # Ray's checkpoints are pointers to the trainer's (write_pointer): it keeps the newest.
+        run_config = RunConfig(name=ray_run.name, storage_path=str(Path(ray_run.folder).parent),
+                               failure_config=FailureConfig(max_failures=ray_run.max_failures),
+                               checkpoint_config=CheckpointConfig(num_to_keep=1))
+        spec = {"task": task, "argv": list(argv), "settings": dict(settings), "run": ray_run.folder}
+        trainer = TorchTrainer(_train_in_worker, train_loop_config=spec, torch_config=trainer_process_group(),
+                               scaling_config=scaling, run_config=run_config)
+        try:
+            result = trainer.fit()
+        except Exception as error:  # noqa: BLE001 - Ray's TrainingFailedError and its kin: one line, retryable
+            if type(error).__module__.startswith("ray."):
+                print(f"error: Ray Train gave up on run {ray_run.folder} ({redact(first_line(error)[:400])}); its "
+                      f"checkpoints are intact: start it again with the same --run-name and --storage-path to "
+                      f"resume", file=sys.stderr, flush=True)
+                return EXIT_PEER_LOST
+            raise
+        if result.checkpoint is not None:
+            print(f"Ray run {ray_run.folder}: newest checkpoint {pointed_at(result.checkpoint.path)}", flush=True)
+        return EXIT_OK
+    finally:
+        if joined_here:
+            ray.shutdown()
+
+
+def _connect(ray: Any, ray_run: RayRun) -> None:
+    address = ray_run.address or os.environ.get("RAY_ADDRESS", "")
+    _check_reachable(address)
+    try:
+        ray.init(address=ray_run.address)
+    except (ConnectionError, RuntimeError, ValueError) as error:
+        where = ray_run.address or os.environ.get("RAY_ADDRESS", "") or "the local machine"
+        raise RayLaunchError(f"cannot reach the Ray cluster at {where} ({first_line(error)[:300]}); start one with "
+                             f"`ray start --head`, or pass its GCS address as --ray-address HOST:PORT") from None
+
+
+def _check_reachable(address: str) -> None:
+    """A cluster address HOST:PORT (or ray://HOST:PORT) that does not answer: one line in seconds, where ray.init
+    would retry for minutes."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return  # "auto", "local", or none: ray.init finds the cluster itself
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as error:
+        raise RayLaunchError(f"cannot reach the Ray cluster at {address} ({error.strerror or error}); start one with "
+                             f"`ray start --head`, or pass its GCS address as --ray-address HOST:PORT") from None
+
+
+def _check_capacity(ray: Any, ray_run: RayRun) -> None:
+    """Refuse at once a run the cluster cannot place (Ray itself would wait for room forever): how many workers
+    fit on the live nodes, each on one node with its CPUs (and GPU)."""
+    if ray_run.cluster_autoscales:
+        return
+    fits = 0
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        resources = node.get("Resources", {})
+        by_cpu = int(resources.get("CPU", 0) // ray_run.cpus_per_worker) if ray_run.cpus_per_worker else 10**6
+        fits += min(by_cpu, int(resources.get("GPU", 0))) if ray_run.use_gpu else by_cpu
+    low = ray_run.num_workers[0]
+    if fits < low:
+        need = f"{ray_run.cpus_per_worker:g} CPU" + (" and 1 GPU" if ray_run.use_gpu else "")
+        raise RayLaunchError(f"--num-workers {_workers_text(ray_run.num_workers)}: the Ray cluster has room for "
+                             f"{fits} worker(s) of {need} each; add nodes, lower --num-workers or "
+                             f"--cpus-per-worker, or pass --cluster-autoscales if its autoscaler adds nodes")
+
+
+def _workers_text(workers: tuple[int, int]) -> str:
+    return str(workers[0]) if workers[0] == workers[1] else f"{workers[0]}:{workers[1]}"
+
+
+def _train_in_worker(spec: dict[str, Any]) -> None:
+    """Ray's training function, in each worker: the trainer's run, its checkpoints reported to Ray as they
+    commit. A non-zero exit is a failure Ray restarts the worker group for (FailureConfig)."""
+    os.environ[RAY_RUN_VARIABLE] = spec["run"]
+    _say_where_ray_resumes()
+    code = run(spec["task"], spec["argv"], on_commit=functools.partial(report_to_ray, spec["run"]),
+               **spec["settings"])
+    if code != EXIT_OK:
+        raise RuntimeError(f"the trainer exited with {code} on rank {os.environ.get('RANK', '?')}"
+                           + (" (input to fix; see its log)" if code == EXIT_USAGE else ""))
+
+
+def _say_where_ray_resumes() -> None:
+    """A restarted worker group: Ray's newest checkpoint, which the trainer's --resume latest reaches too (or a
+    newer one, committed by a worker that died before its report)."""
+    import ray.train
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None and ray.train.get_context().get_world_rank() == 0:
+        print(f"Ray restarts the run from checkpoint {pointed_at(checkpoint.path)}; the trainer resumes from its "
+              f"newest committed one (--resume latest)", flush=True)
+
+
+def report_to_ray(run_folder: str, committed: Committed) -> None:
+    """on_commit under Ray: a barrier of every worker (ray.train.report), rank 0 reporting a pointer to the
+    checkpoint (``pointer``)."""
+    import ray.train
+    from ray.train import Checkpoint, CheckpointUploadMode
+
+    checkpoint = None
+    if committed.location is not None:
+        checkpoint = Checkpoint(str(write_pointer(Path(run_folder), committed.location, committed.step)))
+    metrics = {"step": committed.step, "epoch": committed.epoch,
+               **{name: float(value) for name, value in committed.metrics.items()}}
+    ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+
+
+def write_pointer(run_folder: Path, location: str, step: int) -> Path:
+    """Ray's checkpoint for the trainer's checkpoint at ``location``: a folder in the run holding only where that
+    is (POINTER_FILE), Ray's own to delete (it keeps the newest). Not the trainer's folder itself: the trainer
+    prunes its checkpoints (--keep-last), and Ray refuses to start a run again whose list names a folder that is
+    gone ("a reference to a checkpoint that does not exist anymore")."""
+    # A name of its own each time: two reports may name one checkpoint (an epoch-end save at the step of a
+    # --checkpoint-every one replaces it), and Ray deletes the older report's folder as it registers the newer.
+    pointer = run_folder / POINTERS / f"{Path(location).name}.{uuid.uuid4().hex[:8]}"
+    pointer.mkdir(parents=True, exist_ok=True)
+    (pointer / POINTER_FILE).write_text(json.dumps({"checkpoint": location, "step": step}))
+    return pointer
+
+
+def pointed_at(pointer: str | Path) -> str:
+    """The trainer's checkpoint a pointer of Ray's names."""
+    return str(json.loads((Path(pointer) / POINTER_FILE).read_text())["checkpoint"])
+
+
+def trainer_process_group() -> Any:
+    """Ray's TorchConfig, less its process group: the workers learn worker 0's address and a free port there,
+    and the trainer joins its own group (the module's docstring says why)."""
+    # Ray's own pieces (private, and so pinned in the dev extra): worker 0's address and a free port, and the
+    # variables its TorchConfig sets.
+    from ray.train._internal.utils import get_address_and_port
+    from ray.train.torch import TorchConfig
+    from ray.train.torch.config import _set_torch_distributed_env_vars, _TorchBackend
+
+    class AddressOnly(_TorchBackend):  # type: ignore[misc]
+        def on_start(self, worker_group: Any, backend_config: Any) -> None:
+            address, port = worker_group.execute_single(0, get_address_and_port)
+            worker_group.execute(_name_master, address=address, port=port)
+            worker_group.execute(_set_torch_distributed_env_vars)
+
+        def on_shutdown(self, worker_group: Any, backend_config: Any) -> None:
+            pass  # the trainer destroyed its group as its run ended
+
+    class TrainerProcessGroup(TorchConfig):  # type: ignore[misc]
+        @property
+        def backend_cls(self) -> type:
+            return AddressOnly
+
+    return TrainerProcessGroup()
+
+
+def _name_master(address: str, port: int) -> None:
+    os.environ["MASTER_ADDR"] = address
+    os.environ["MASTER_PORT"] = str(port)
+
+
+# -- command line ------------------------------------------------------------------------------------------------
+def _workers(text: str) -> tuple[int, int]:
+    low_text, colon, high_text = text.partition(":")
+    try:
+        low, high = int(low_text), int(high_text if colon else low_text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not N or MIN:MAX") from None
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 1 <= MIN <= MAX")
+    return low, high
+
+
+def ray_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ddp-train-ray", allow_abbrev=False, add_help=False,
+        description="Train with Ray Train: these options, then any of ddp-train's (ddp-train --help)")
+    parser.add_argument("--num-workers", type=_workers, default=(1, 1), metavar="N|MIN:MAX",
+                        help="Ray workers (one rank each); MIN:MAX lets Ray resize the run within it")
+    parser.add_argument("--run-name", default="ddp-train", help="the Ray run's name: the same name resumes it")
+    parser.add_argument("--storage-path", default="~/ray_results",
+                        help="a folder every worker reaches; the run's folder is STORAGE_PATH/RUN_NAME")
+    parser.add_argument("--ray-address", default=None, help="the cluster's GCS address (default: RAY_ADDRESS, or a "
+                                                            "local cluster)")
+    parser.add_argument("--use-gpu", action="store_true", help="one GPU per worker")
+    parser.add_argument("--cpus-per-worker", type=float, default=1.0)
+    parser.add_argument("--max-failures", type=int, default=3, help="worker-group restarts after failures")
+    parser.add_argument("--resize-check-s", type=float, default=60.0,
+                        help="elastic runs: how often Ray looks for room to grow")
+    parser.add_argument("--cluster-autoscales", action="store_true",
+                        help="do not refuse workers the cluster cannot place now (its autoscaler adds nodes)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = ray_parser()
+    args, rest = parser.parse_known_args(argv)
+    if "-h" in rest or "--help" in rest:
+        parser.print_help()
+        return EXIT_OK
+    ray_run = RayRun(num_workers=args.num_workers, name=args.run_name, storage_path=args.storage_path,
+                     address=args.ray_address, use_gpu=args.use_gpu, cpus_per_worker=args.cpus_per_worker,
+                     max_failures=args.max_failures, resize_check_s=args.resize_check_s,
+                     cluster_autoscales=args.cluster_autoscales)
+    return run_on_ray(None, rest, ray_run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
