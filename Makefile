@@ -86,14 +86,20 @@ clean: ## remove runs and caches (not the venv)
 	rm -rf runs .pytest_cache .ruff_cache
 
 # Kubernetes (k8s/): offline checks here; a kind cluster on a machine with Docker and a registry.
+.PHONY: ray-test
+ray-test: venv ## ddp-train-ray on a real local Ray cluster: a worker, a node and the driver lost, every sample once
+	$(BIN)/pytest -q -ra tests/unit/test_on_ray.py tests/unit/launchers/test_ray_train.py tests/deploy/test_ray.py \
+	  tests/deploy/test_k8s_rayjob.py $(PYTEST_ARGS)
+
 .PHONY: k8s-validate k8s-test k8s-image kind-up kind-test kind-down
 
 k8s-validate: venv ## render every manifest and overlay; check them against the APIs, operator rules, kind scripts
-	$(BIN)/pytest -q tests/deploy/test_k8s_manifests.py tests/deploy/test_k8s_operator.py tests/deploy/test_k8s_kind.py
+	$(BIN)/pytest -q tests/deploy/test_k8s_manifests.py tests/deploy/test_k8s_operator.py tests/deploy/test_k8s_kind.py \
+	  tests/deploy/test_k8s_rayjob.py
 
 k8s-test: venv ## k8s-validate, then every PyTorchJob executed: its pods as processes (root) and containers
 	$(BIN)/pytest -q -ra tests/deploy/test_k8s_manifests.py tests/deploy/test_k8s_operator.py \
-	  tests/deploy/test_k8s_kind.py tests/deploy/test_k8s_jobs.py $(PYTEST_ARGS)
+	  tests/deploy/test_k8s_kind.py tests/deploy/test_k8s_rayjob.py tests/deploy/test_k8s_jobs.py $(PYTEST_ARGS)
 
 kind-up: ## kind cluster + training operator v1.9.4 + image, then apply k8s/overlays/kind
 	scripts/kind-cluster.sh up

@@ -31,6 +31,7 @@ from bench.figures import (
     object_store,
     overhead,
     peers,
+    ray_overhead,
     scaling,
     sharded,
     sharded_checkpoints,
@@ -62,6 +63,7 @@ FIGURES: dict[str, tuple[str, Callable[[Context], FigureResult]]] = {
     "sharded-checkpoints": (sharded_checkpoints.TITLE, sharded_checkpoints.run),
     "elastic": (elastic.TITLE, elastic.run),
     "object-store": (object_store.TITLE, object_store.run),
+    "ray": (ray_overhead.TITLE, ray_overhead.run),
 }
 
 

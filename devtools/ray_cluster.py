@@ -26,6 +26,11 @@ FAST_HEALTH_CHECKS = {"health_check_initial_delay_ms": 1000, "health_check_perio
                       "health_check_failure_threshold": 3}
 
 
+# Whatever this machine's user has set up for Ray: a token in ~/.ray/auth_token (which a local ray.init() writes)
+# turns a head started without RAY_AUTH_MODE into a token cluster that the other nodes then fail to join.
+ISOLATED = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
 class RayCluster:
     """``with RayCluster() as cluster: cluster.add_node("a")``; ``cluster.address`` is the GCS address."""
 
@@ -53,7 +58,7 @@ class RayCluster:
 
     def env(self) -> dict[str, str]:
         """What a driver needs to reach this cluster (and nothing of another)."""
-        return {"RAY_ADDRESS": self.address}
+        return {"RAY_ADDRESS": self.address, **ISOLATED}
 
     def add_node(self, name: str) -> None:
         """A worker node of ``cpus_per_node`` CPUs; returns once it is up."""
@@ -80,7 +85,7 @@ class RayCluster:
 
     def _ray_start(self, name: str, options: list[str]) -> None:
         mark = self.mark if name == "head" else f"{self.mark}-{name}"
-        env = clean_env({"DDP_DEVTOOLS_MARK": mark, "RAY_USAGE_STATS_ENABLED": "0"})
+        env = clean_env({"DDP_DEVTOOLS_MARK": mark, **ISOLATED})
         env.pop("RAY_ADDRESS", None)
         started = time.monotonic()
         result = subprocess.run([str(BIN_DIR / "ray"), "start", *options], env=env, capture_output=True, text=True,

@@ -1,0 +1,89 @@
+"""k8s/ray: ddp-train-ray as a KubeRay RayJob, as `kubectl apply -k k8s/ray` sends it, checked against KubeRay's
+API and Kubernetes' pod schema (tests/support/kuberay_api.py), and for what the trainer needs of it."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+
+from tests.support.k8s_manifests import Obj, config_maps, of_kind, render
+from tests.support.kuberay_api import pod_template_errors, pod_templates, rayjob_errors
+from trainer.cli import parse_config
+from trainer.on_ray import ray_parser
+
+SOURCE = "k8s/ray"
+KUBERNETES_VERSIONS = ("1.28.0", kubernetes_validate.latest_version())
+
+
+def rayjob() -> Obj:
+    (job,) = of_kind(render(SOURCE), "RayJob")
+    return job
+
+
+def containers(job: Obj) -> dict[str, Obj]:
+    return {container["name"]: {**container, "volumes": template["spec"].get("volumes", [])}
+            for _, template in pod_templates(job) for container in template["spec"]["containers"]}
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_every_object_passes_its_schema_strictly(version):
+    for obj in render(SOURCE):
+        if obj["kind"] == "RayJob":
+            assert rayjob_errors(obj) == [] and pod_template_errors(obj, version) == []
+        else:
+            kubernetes_validate.validate(obj, version, strict=True)
+    assert sorted(obj["kind"] for obj in render(SOURCE)) == ["ConfigMap", "PersistentVolumeClaim", "RayJob"]
+
+
+@pytest.mark.parametrize(("path", "change", "error"), [
+    (("spec",), {"entrypont": "x"}, "'entrypont' was unexpected"),
+    (("spec",), {"backoffLimit": "2"}, "spec.backoffLimit: '2' is not of type 'integer'"),
+    (("spec", "rayClusterSpec", "workerGroupSpecs", 0), {"replica": 2}, "'replica' was unexpected"),
+])
+def test_a_misspelled_or_mistyped_field_of_the_rayjob_is_an_error(path, change, error):
+    job = rayjob()
+    target = job
+    for key in path:
+        target = target[key]
+    target.update(change)
+    assert any(error in problem for problem in rayjob_errors(job)), rayjob_errors(job)
+
+
+def test_the_entrypoint_is_a_valid_ddp_train_ray_command_on_the_configmaps_config(tmp_path: Path):
+    job = rayjob()
+    command = shlex.split(job["spec"]["entrypoint"])
+    assert command[0] == "ddp-train-ray"
+    ray_args, trainer_args = ray_parser().parse_known_args(command[1:])
+    config_path = Path(trainer_args[trainer_args.index("--config") + 1])
+    (tmp_path / "config.yaml").write_text(config_maps(render(SOURCE))["ddp-train-config"][config_path.name])
+    trainer_args[trainer_args.index("--config") + 1] = str(tmp_path / "config.yaml")
+    config, _ = parse_config(trainer_args)
+    assert config.train.global_batch_size, "the same optimisation at any worker count Ray gives the run"
+    # Each trainer worker fits one worker pod; the run grows no larger than the group.
+    group = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
+    worker = containers(job)["ray-worker"]
+    assert float(worker["resources"]["limits"]["cpu"]) == ray_args.cpus_per_worker
+    assert ray_args.num_workers[1] <= group["maxReplicas"] and ray_args.num_workers[0] >= group["minReplicas"]
+    assert job["spec"]["rayClusterSpec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    # The run's folder and the trainer's config are on volumes the head (the driver) and every worker mount.
+    for container in containers(job).values():
+        mounts = {mount["mountPath"]: mount["name"] for mount in container["volumeMounts"]}
+        volumes = {volume["name"]: volume for volume in container["volumes"]}
+        storage = next(volumes[name] for path, name in mounts.items() if ray_args.storage_path.startswith(path + "/"))
+        assert storage["persistentVolumeClaim"]["claimName"] == "ddp-train-storage", container["name"]
+        assert "configMap" in volumes[mounts[str(config_path.parent)]], container["name"]
+    (claim,) = of_kind(render(SOURCE), "PersistentVolumeClaim")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"], "worker pods on several nodes share it"
+
+
+def test_the_rayjobs_pods_run_without_privileges_and_its_image_is_the_one_every_manifest_names():
+    job = rayjob()
+    for _, template in pod_templates(job):
+        assert template["spec"]["securityContext"]["runAsNonRoot"] is True
+        assert template["spec"]["automountServiceAccountToken"] is False
+    for container in containers(job).values():
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False
+        assert container["image"] == "ddp-deploy:latest"  # k8s/components/image's reference
