@@ -169,9 +169,10 @@ def _connect(ray: Any, ray_run: RayRun) -> None:
 def _check_reachable(address: str) -> None:
     """A cluster address HOST:PORT (or ray://HOST:PORT) that does not answer: one line in seconds, where ray.init
     would retry for minutes."""
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    if not host or not port.isdigit():
-        return  # "auto", "local", or none: ray.init finds the cluster itself
+    bare = address.removeprefix("ray://")
+    host, _, port = bare.rpartition(":")
+    if "://" in bare or not host or not port.isdigit():
+        return  # "auto", "local", none, or a dashboard's http:// address: ray.init finds the cluster itself
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
     except OSError as error:

@@ -714,3 +714,35 @@ def test_a_run_stopped_before_its_end_keeps_the_lease_for_the_next_attempt_when_
     assert not refused("another")
     manager("another", restarts_left=None).close(STOPPED)  # no launcher restarts it in place
     assert not refused("third")
+
+
+# -- a launcher told of each commit (trainer.on_ray reports them to Ray Train) --------------------------------
+
+@pytest.mark.parametrize("async_checkpoint", [False, True])
+def test_on_commit_hears_of_each_save_once_every_rank_knows_it_committed_with_where_it_is(async_checkpoint,
+                                                                                           manager_for, tmp_path):
+    manager = manager_for(str(tmp_path), async_checkpoint=async_checkpoint)
+    heard: list[tuple[int, str | None, dict[str, float]]] = []
+    manager.on_commit = lambda committed: heard.append((committed.step, committed.location, committed.metrics))
+    manager.save(state_at(1))
+    # Asynchronous: the write may still be running, so nothing is told until the next save or finish collects it.
+    assert heard == ([] if async_checkpoint else [(1, f"{tmp_path}/step-00000001", {})])
+    manager.save(state_at(2), {"accuracy": 0.5})
+    assert [step for step, _, _ in heard] == ([1] if async_checkpoint else [1, 2])
+    manager.finish()
+    manager.finish()  # told once
+    assert heard == [(1, f"{tmp_path}/step-00000001", {}), (2, f"{tmp_path}/step-00000002", {"accuracy": 0.5})]
+
+
+def test_on_commit_hears_nothing_of_a_save_that_failed(manager_for, tmp_path):
+    folder = tmp_path / "ckpt"
+    manager = manager_for(str(folder), async_checkpoint=True)
+    heard: list[int] = []
+    manager.on_commit = lambda committed: heard.append(committed.step)
+    save_steps(manager, [1])
+    folder.rename(tmp_path / "moved")
+    folder.write_bytes(b"")  # the next write cannot create its temporary folder
+    manager.save(state_at(2))
+    with pytest.raises(CheckpointError):
+        manager.finish()
+    assert heard == [1]

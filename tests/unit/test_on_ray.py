@@ -9,7 +9,7 @@ import pytest
 
 from devtools.processes import free_port
 from tests.integration.test_resize import LEDGER
-from trainer.on_ray import RAY_MISSING, RayRun, main, pointed_at, run_on_ray, write_pointer
+from trainer.on_ray import RAY_MISSING, RayRun, _check_reachable, main, pointed_at, run_on_ray, write_pointer
 
 
 def errors(capsys: pytest.CaptureFixture[str]) -> list[str]:
@@ -59,3 +59,9 @@ def test_each_report_gets_a_pointer_of_its_own_naming_the_trainers_checkpoint(tm
     second = write_pointer(tmp_path, "/runs/r/checkpoints/step-00000008", 8)
     assert first != second and first.parent == second.parent == tmp_path / "ray-checkpoints"
     assert pointed_at(first) == pointed_at(second) == "/runs/r/checkpoints/step-00000008"
+
+
+@pytest.mark.parametrize("address", ["auto", "local", "", "http://10.255.255.1:8265", "ray-head:6379x"])
+def test_addresses_ray_resolves_itself_are_left_to_it(address):
+    """A RayJob's entrypoint may see a dashboard's http:// address; only HOST:PORT and ray://HOST:PORT are tried."""
+    _check_reachable(address)  # no connection attempted: nothing to refuse
