@@ -23,12 +23,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from devtools.processes import clean_env, torchrun
+from devtools.processes import clean_env
 from devtools.ray_cluster import RayCluster
 from tests.integration.test_elastic import checkpoint_folders
 from tests.integration.test_resize import LEDGER
 from tests.support.checkpoint_reading import summary
-from tests.support.ledger_checks import assert_each_sample_trained_once, ledger, segments
+from tests.support.ledger_checks import assert_each_sample_trained_once, ledger, segments, trained_straight_through
 from trainer.on_ray import RayRun, run_on_ray
 
 pytestmark = pytest.mark.slow
@@ -96,10 +96,7 @@ def resumed(drivers: list[Driver]) -> list[tuple[int, int]]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
-    output = tmp_path_factory.mktemp("uninterrupted")
-    result = torchrun([*ONE_EPOCH, "--output-dir", str(output)], nproc=1)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return ledger(output)
+    return trained_straight_through(ONE_EPOCH, tmp_path_factory.mktemp("uninterrupted"))
 
 
 def test_a_run_loses_a_worker_its_driver_and_a_node_then_grows_back_and_trains_every_sample_once(

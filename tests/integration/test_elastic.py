@@ -19,7 +19,7 @@ from devtools.elastic import FAST_RENDEZVOUS, ElasticJob
 from devtools.processes import torchrun
 from tests.integration.test_resize import LEDGER
 from tests.support.checkpoint_reading import summary
-from tests.support.ledger_checks import assert_each_sample_trained_once, ledger, segments
+from tests.support.ledger_checks import assert_each_sample_trained_once, ledger, segments, trained_straight_through
 
 pytestmark = pytest.mark.slow
 
@@ -55,10 +55,7 @@ LOSSES = {"ddp": Loss(nodes=2), "fsdp": Loss(during_save=True), "hsdp": Loss(tim
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
     """The ledger of the same epoch trained straight through at one rank, which every elastic history must end at."""
-    output = tmp_path_factory.mktemp("uninterrupted")
-    result = torchrun([*ONE_EPOCH, "--output-dir", str(output)], nproc=1)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return ledger(output)
+    return trained_straight_through(ONE_EPOCH, tmp_path_factory.mktemp("uninterrupted"))
 
 
 @pytest.mark.parametrize("sync", ["ddp", "fsdp", "hsdp"])

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from devtools.processes import torchrun
 from tests.support.checkpoint_reading import newest_checkpoint
 
 
@@ -32,3 +33,11 @@ def segments(logs: list[str]) -> list[tuple[int, int]]:
     resumes a newer checkpoint than the one before."""
     return sorted(((int(m.group(1)), int(m.group(2))) for text in logs for m in RESUMED.finditer(text)),
                   key=lambda segment: segment[1])
+
+
+def trained_straight_through(args: list[str], output: Path) -> torch.Tensor:
+    """The ledger of the epoch ``args`` describe, trained without interruption at one rank: what every history of
+    restarts and resizes must end at, bitwise (--global-batch-size makes the steps the same at any size)."""
+    result = torchrun([*args, "--output-dir", str(output)], nproc=1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return ledger(output)
