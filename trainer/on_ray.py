@@ -22,20 +22,25 @@ Ray Train runs the training function in a thread of each worker: stop signals go
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import functools
 import json
+import math
 import os
+import re
 import socket
 import sys
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from trainer.api import run
-from trainer.checkpoint import Committed
+from trainer.checkpoint import Committed, open_storage
 from trainer.cli import parse_config
+from trainer.config import Config
 from trainer.errors import EXIT_OK, EXIT_PEER_LOST, EXIT_USAGE, UserError, first_line
 from trainer.launchers.ray_train import RAY_RUN_VARIABLE
 from trainer.redact import redact
@@ -46,6 +51,8 @@ __all__ = ["RayRun", "main", "run_on_ray"]
 CONNECT_TIMEOUT_S = 10.0
 # Ray's checkpoints, in the run's folder: each a folder holding the trainer checkpoint's location (write_pointer).
 POINTERS, POINTER_FILE = "ray-checkpoints", "checkpoint.json"
+DRIVER_LOCK = ".driver.lock"  # in the run's folder: held by its one driver (driving)
+TRAINER_EXIT = re.compile(r"the trainer exited with (\d+)")
 RAY_MISSING = "Ray Train is not installed: pip install 'ddp-deploy[ray]' (or ray[train] itself)"
 
 
@@ -73,10 +80,6 @@ class RayRun:
         """The run's folder: Ray's RunConfig storage path and name, the trainer's --output-dir."""
         return str(Path(os.path.expanduser(self.storage_path)).absolute() / self.name)
 
-    @property
-    def elastic(self) -> bool:
-        return self.num_workers[0] != self.num_workers[1]
-
 
 def run_on_ray(task: str | type | None = None, argv: Sequence[str] = (), ray_run: RayRun | None = None,
                **settings: Any) -> int:
@@ -84,24 +87,71 @@ def run_on_ray(task: str | type | None = None, argv: Sequence[str] = (), ray_run
     config values. Returns the exit code: 0, EXIT_USAGE for input to fix, EXIT_PEER_LOST when Ray gave up."""
     ray_run = ray_run or RayRun()
     try:
-        trainer_argv = _trainer_arguments(task, argv, ray_run, settings)
-        return _fit(task, trainer_argv, ray_run, settings)
+        trainer_argv, location = _trainer_arguments(task, argv, ray_run, settings)
+        with driving(Path(ray_run.folder)):
+            return _fit(task, trainer_argv, location, ray_run, settings)
     except UserError as error:
         print(f"error: {redact(str(error))}", file=sys.stderr, flush=True)
         return error.exit_code
 
 
 def _trainer_arguments(task: str | type | None, argv: Sequence[str], ray_run: RayRun,
-                       settings: Mapping[str, Any]) -> list[str]:
+                       settings: Mapping[str, Any]) -> tuple[list[str], str]:
     """The trainer's flags with the run's folder as --output-dir (the user's own flags come after it, and win),
-    checked on the driver: a bad flag is one line here, not a failure in every worker and every restart."""
+    checked on the driver: a bad flag is one line here, not a failure in every worker and every restart. With
+    where the checkpoints go."""
     if "://" in ray_run.storage_path:
-        raise RayLaunchError(f"--storage-path {ray_run.storage_path}: Ray's run folder must be a folder every worker "
-                             f"mounts (NFS, a shared volume) under ddp-train-ray; the checkpoints themselves may go "
-                             f"to an object store (--checkpoint-dir s3://...)")
+        raise RayLaunchError(f"--ray-storage-path {ray_run.storage_path}: Ray's run folder must be a folder every "
+                             f"worker mounts (NFS, a shared volume) under ddp-train-ray; the checkpoints themselves "
+                             f"may go to an object store (--checkpoint-dir s3://...)")
+    if ray_run.name in ("", ".", "..") or "/" in ray_run.name or os.sep in ray_run.name:
+        raise RayLaunchError(f"--ray-run-name {ray_run.name!r}: a run's name is one plain folder name (letters, "
+                             f"digits, -_.), its folder STORAGE_PATH/NAME; put any hierarchy in --ray-storage-path")
     arguments = ["--output-dir", ray_run.folder, *argv]
-    parse_config(arguments, task=task, settings=settings, prog="ddp-train-ray")
-    return arguments
+    config, _ = parse_config(arguments, task=task, settings=settings, prog="ddp-train-ray")
+    _check_every_size(config, ray_run.num_workers)
+    return arguments, config.checkpoint_location
+
+
+def _check_every_size(config: Config, workers: tuple[int, int]) -> None:
+    """--global-batch-size must divide at every worker count Ray may give an elastic run: found here, not by the
+    workers when Ray resizes the run to a count it does not divide (which would fail every attempt at that size)."""
+    accum, global_batch = config.optim.grad_accum_steps, config.train.global_batch_size
+    sizes = range(workers[0], workers[1] + 1)
+    bad = [size for size in sizes if global_batch and global_batch % (size * accum)]
+    if bad:
+        step = math.lcm(*sizes) * accum
+        raise RayLaunchError(f"--global-batch-size {global_batch} does not divide into {', '.join(map(str, bad))} "
+                             f"worker(s) x {accum} micro-batch(es), and Ray may run it at any of "
+                             f"{_workers_text(workers)} workers; give a multiple of {step}")
+
+
+@contextlib.contextmanager
+def driving(folder: Path) -> Iterator[None]:
+    """This driver's hold on its run, for as long as it runs: a second driver of the same run would be the same
+    job to the checkpoint folder's lease (that is how a driver started again after a crash resumes at once), and
+    the two would take the checkpoints from each other. A POSIX lock on RUN/.driver.lock, which the system releases
+    when the driver dies, however it dies (a shared folder's NFS locks too)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle = (folder / DRIVER_LOCK).open("a+")
+    except OSError as error:
+        raise RayLaunchError(f"cannot write the Ray run's folder {folder} ({error.strerror or error}); choose another "
+                             f"--ray-storage-path") from None
+    with handle:
+        try:
+            fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            raise RayLaunchError(f"run {folder} already has a driver ({holder}): two drivers of one run would take "
+                                 f"its checkpoints from each other; stop that one, or choose another --ray-run-name"
+                                 ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"ddp-train-ray pid {os.getpid()} on {socket.gethostname()}")
+        handle.flush()
+        yield
 
 
 def _import_ray() -> Any:
@@ -114,10 +164,16 @@ def _import_ray() -> Any:
     return ray
 
 
-def _fit(task: str | type | None, argv: list[str], ray_run: RayRun, settings: Mapping[str, Any]) -> int:
+def _fit(task: str | type | None, argv: list[str], location: str, ray_run: RayRun, settings: Mapping[str, Any]
+         ) -> int:
     ray = _import_ray()
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.constants import is_v2_enabled
+
+    if not is_v2_enabled():
+        raise RayLaunchError("RAY_TRAIN_V2_ENABLED=0: ddp-train-ray runs on Ray Train V2 (its reports, its elastic "
+                             "runs); unset it")
 
     # A Python caller may have joined the cluster its own way (ray.init with a runtime_env, say): that connection
     # is used, and left open.
@@ -140,19 +196,41 @@ def _fit(task: str | type | None, argv: list[str], ray_run: RayRun, settings: Ma
                                scaling_config=scaling, run_config=run_config)
         try:
             result = trainer.fit()
-        except Exception as error:  # noqa: BLE001 - Ray's TrainingFailedError and its kin: one line, retryable
-            if type(error).__module__.startswith("ray."):
-                print(f"error: Ray Train gave up on run {ray_run.folder} ({redact(first_line(error)[:400])}); its "
-                      f"checkpoints are intact: start it again with the same --run-name and --storage-path to "
-                      f"resume", file=sys.stderr, flush=True)
-                return EXIT_PEER_LOST
-            raise
-        if result.checkpoint is not None:
-            print(f"Ray run {ray_run.folder}: newest checkpoint {pointed_at(result.checkpoint.path)}", flush=True)
+        except Exception as error:  # noqa: BLE001 - Ray's TrainingFailedError and its kin: one line each
+            if not type(error).__module__.startswith("ray."):
+                raise
+            return _gave_up(error, ray_run)
+        print(f"Ray run {ray_run.folder}: {_newest(location, result)}", flush=True)
         return EXIT_OK
     finally:
         if joined_here:
             ray.shutdown()
+
+
+def _gave_up(error: Exception, ray_run: RayRun) -> int:
+    """Ray's last failure as the exit code: input to fix where every worker's trainer said so (Ray retries any
+    failure), else retryable from the checkpoints."""
+    failures = getattr(error, "worker_failures", {}) or {}
+    codes = {int(code) for failure in failures.values() for code in TRAINER_EXIT.findall(str(failure))}
+    if codes == {EXIT_USAGE}:
+        print(f"error: Ray Train gave up on run {ray_run.folder}: the trainer refused its input on every worker "
+              f"(exit {EXIT_USAGE}; the workers' log above says why)", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    print(f"error: Ray Train gave up on run {ray_run.folder} ({redact(first_line(error)[:400])}); its checkpoints "
+          f"are intact: start it again with the same --ray-run-name and --ray-storage-path to resume",
+          file=sys.stderr, flush=True)
+    return EXIT_PEER_LOST
+
+
+def _newest(location: str, result: Any) -> str:
+    """The run's newest checkpoint, and Ray's last report where it names an older one (a worker died between a
+    commit and its report, or the last start had nothing left to train)."""
+    storage = open_storage(location)
+    names = storage.list_checkpoints()
+    newest = storage.describe(names[0]) if names else "none"
+    reported = _pointer_target(result.checkpoint.path) if result.checkpoint is not None else None
+    return f"newest checkpoint {newest}" + (f" (Ray's last report named {reported})" if reported not in (None, newest)
+                                            else "")
 
 
 def _connect(ray: Any, ray_run: RayRun) -> None:
@@ -195,9 +273,9 @@ def _check_capacity(ray: Any, ray_run: RayRun) -> None:
     low = ray_run.num_workers[0]
     if fits < low:
         need = f"{ray_run.cpus_per_worker:g} CPU" + (" and 1 GPU" if ray_run.use_gpu else "")
-        raise RayLaunchError(f"--num-workers {_workers_text(ray_run.num_workers)}: the Ray cluster has room for "
-                             f"{fits} worker(s) of {need} each; add nodes, lower --num-workers or "
-                             f"--cpus-per-worker, or pass --cluster-autoscales if its autoscaler adds nodes")
+        raise RayLaunchError(f"--ray-workers {_workers_text(ray_run.num_workers)}: the Ray cluster has room for "
+                             f"{fits} worker(s) of {need} each; add nodes, lower --ray-workers or "
+                             f"--ray-cpus-per-worker, or pass --ray-cluster-autoscales if its autoscaler adds nodes")
 
 
 def _workers_text(workers: tuple[int, int]) -> str:
@@ -208,23 +286,35 @@ def _train_in_worker(spec: dict[str, Any]) -> None:
     """Ray's training function, in each worker: the trainer's run, its checkpoints reported to Ray as they
     commit. A non-zero exit is a failure Ray restarts the worker group for (FailureConfig)."""
     os.environ[RAY_RUN_VARIABLE] = spec["run"]
-    _say_where_ray_resumes()
-    code = run(spec["task"], spec["argv"], on_commit=functools.partial(report_to_ray, spec["run"]),
-               **spec["settings"])
+    argv = [*spec["argv"], *_resume_where_ray_restarts()]
+    code = run(spec["task"], argv, on_commit=functools.partial(report_to_ray, spec["run"]), **spec["settings"])
     if code != EXIT_OK:
         raise RuntimeError(f"the trainer exited with {code} on rank {os.environ.get('RANK', '?')}"
                            + (" (input to fix; see its log)" if code == EXIT_USAGE else ""))
 
 
-def _say_where_ray_resumes() -> None:
-    """A restarted worker group: Ray's newest checkpoint, which the trainer's --resume latest reaches too (or a
-    newer one, committed by a worker that died before its report)."""
+def _resume_where_ray_restarts() -> list[str]:
+    """The flags a worker group adds once the run has a checkpoint Ray knows of (Ray restarted the group, or a
+    driver started the run again): --resume latest, whatever the first start was given (--resume none or PATH
+    again would retrain from the start, or from a checkpoint pruned since). The newest committed one: Ray's, or a
+    newer one committed by a worker that died before its report."""
     import ray.train
 
     checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None and ray.train.get_context().get_world_rank() == 0:
-        print(f"Ray restarts the run from checkpoint {pointed_at(checkpoint.path)}; the trainer resumes from its "
-              f"newest committed one (--resume latest)", flush=True)
+    if checkpoint is None:
+        return []
+    if ray.train.get_context().get_world_rank() == 0:
+        print(f"Ray restarts the run; its last report named checkpoint {_pointer_target(checkpoint.path)}, and the "
+              f"trainer resumes from its newest committed one (--resume latest)", flush=True)
+    return ["--resume", "latest"]
+
+
+def _pointer_target(pointer: str) -> str:
+    """pointed_at for a message: a pointer that cannot be read is named as such, never an error."""
+    try:
+        return pointed_at(pointer)
+    except (OSError, ValueError, KeyError):
+        return f"(unreadable: {pointer})"
 
 
 def report_to_ray(run_folder: str, committed: Committed) -> None:
@@ -291,6 +381,7 @@ def _name_master(address: str, port: int) -> None:
 
 
 # -- command line ------------------------------------------------------------------------------------------------
+# Every option carries --ray-: ddp-train's own flags (--num-workers, --run-name, ...) pass through to the trainer.
 def _workers(text: str) -> tuple[int, int]:
     low_text, colon, high_text = text.partition(":")
     try:
@@ -302,23 +393,35 @@ def _workers(text: str) -> tuple[int, int]:
     return low, high
 
 
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: need a number above 0")
+    return value
+
+
 def ray_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ddp-train-ray", allow_abbrev=False, add_help=False,
         description="Train with Ray Train: these options, then any of ddp-train's (ddp-train --help)")
-    parser.add_argument("--num-workers", type=_workers, default=(1, 1), metavar="N|MIN:MAX",
+    parser.add_argument("--ray-workers", type=_workers, default=(1, 1), metavar="N|MIN:MAX",
                         help="Ray workers (one rank each); MIN:MAX lets Ray resize the run within it")
-    parser.add_argument("--run-name", default="ddp-train", help="the Ray run's name: the same name resumes it")
-    parser.add_argument("--storage-path", default="~/ray_results",
+    parser.add_argument("--ray-run-name", default="ddp-train",
+                        help="the Ray run's name (a plain name): the same name resumes it")
+    parser.add_argument("--ray-storage-path", default="~/ray_results",
                         help="a folder every worker reaches; the run's folder is STORAGE_PATH/RUN_NAME")
     parser.add_argument("--ray-address", default=None, help="the cluster's GCS address (default: RAY_ADDRESS, or a "
                                                             "local cluster)")
-    parser.add_argument("--use-gpu", action="store_true", help="one GPU per worker")
-    parser.add_argument("--cpus-per-worker", type=float, default=1.0)
-    parser.add_argument("--max-failures", type=int, default=3, help="worker-group restarts after failures")
-    parser.add_argument("--resize-check-s", type=float, default=60.0,
+    parser.add_argument("--ray-gpu", action="store_true", help="one GPU per worker")
+    parser.add_argument("--ray-cpus-per-worker", type=_positive, default=1.0)
+    parser.add_argument("--ray-max-failures", type=int, default=3,
+                        help="worker-group restarts after failures (-1: no limit)")
+    parser.add_argument("--ray-resize-check-s", type=_positive, default=60.0,
                         help="elastic runs: how often Ray looks for room to grow")
-    parser.add_argument("--cluster-autoscales", action="store_true",
+    parser.add_argument("--ray-cluster-autoscales", action="store_true",
                         help="do not refuse workers the cluster cannot place now (its autoscaler adds nodes)")
     return parser
 
@@ -329,10 +432,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "-h" in rest or "--help" in rest:
         parser.print_help()
         return EXIT_OK
-    ray_run = RayRun(num_workers=args.num_workers, name=args.run_name, storage_path=args.storage_path,
-                     address=args.ray_address, use_gpu=args.use_gpu, cpus_per_worker=args.cpus_per_worker,
-                     max_failures=args.max_failures, resize_check_s=args.resize_check_s,
-                     cluster_autoscales=args.cluster_autoscales)
+    ray_run = RayRun(num_workers=args.ray_workers, name=args.ray_run_name, storage_path=args.ray_storage_path,
+                     address=args.ray_address, use_gpu=args.ray_gpu, cpus_per_worker=args.ray_cpus_per_worker,
+                     max_failures=args.ray_max_failures, resize_check_s=args.ray_resize_check_s,
+                     cluster_autoscales=args.ray_cluster_autoscales)
     return run_on_ray(None, rest, ray_run)
 
 

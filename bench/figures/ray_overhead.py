@@ -86,8 +86,8 @@ def _ray_run(args: list[str], scratch: Path, cluster: RayCluster) -> TrainerRun:
     """ddp-train-ray with two workers; its metrics, in the Ray run's folder."""
     storage, name = scratch / "ray", "bench"
     launched_at = time.time()
-    run_command([sys.executable, "-m", "trainer.on_ray", "--num-workers", "2", "--storage-path", str(storage),
-                 "--run-name", name, *TRAINER_QUIET, *args], TIMEOUT_S, env=cluster.env())
+    run_command([sys.executable, "-m", "trainer.on_ray", "--ray-workers", "2", "--ray-storage-path", str(storage),
+                 "--ray-run-name", name, *TRAINER_QUIET, *args], TIMEOUT_S, env=cluster.env())
     output = storage / name
     summary = output / "summary.json"
     return TrainerRun(launched_at, read_metrics(output / "metrics.jsonl"),

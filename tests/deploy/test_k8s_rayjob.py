@@ -62,17 +62,19 @@ def test_the_entrypoint_is_a_valid_ddp_train_ray_command_on_the_configmaps_confi
     trainer_args[trainer_args.index("--config") + 1] = str(tmp_path / "config.yaml")
     config, _ = parse_config(trainer_args)
     assert config.train.global_batch_size, "the same optimisation at any worker count Ray gives the run"
+    assert config.checkpoint.checkpoint_every_s > 0, "a worker group Ray stops loses at most that much training"
     # Each trainer worker fits one worker pod; the run grows no larger than the group.
     group = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
     worker = containers(job)["ray-worker"]
-    assert float(worker["resources"]["limits"]["cpu"]) == ray_args.cpus_per_worker
-    assert ray_args.num_workers[1] <= group["maxReplicas"] and ray_args.num_workers[0] >= group["minReplicas"]
+    assert float(worker["resources"]["limits"]["cpu"]) == ray_args.ray_cpus_per_worker
+    assert ray_args.ray_workers[1] <= group["maxReplicas"] and ray_args.ray_workers[0] >= group["minReplicas"]
     assert job["spec"]["rayClusterSpec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
     # The run's folder and the trainer's config are on volumes the head (the driver) and every worker mount.
     for container in containers(job).values():
         mounts = {mount["mountPath"]: mount["name"] for mount in container["volumeMounts"]}
         volumes = {volume["name"]: volume for volume in container["volumes"]}
-        storage = next(volumes[name] for path, name in mounts.items() if ray_args.storage_path.startswith(path + "/"))
+        storage = next(volumes[name] for path, name in mounts.items()
+                       if ray_args.ray_storage_path.startswith(path + "/"))
         assert storage["persistentVolumeClaim"]["claimName"] == "ddp-train-storage", container["name"]
         assert "configMap" in volumes[mounts[str(config_path.parent)]], container["name"]
     (claim,) = of_kind(render(SOURCE), "PersistentVolumeClaim")

@@ -33,9 +33,11 @@ from trainer.on_ray import RayRun, run_on_ray
 
 pytestmark = pytest.mark.slow
 
-# 48 steps of 12 samples at any worker count: enough for four interruptions, each of which costs Ray a restart of
-# its worker group (15-30 s here) and the trainer the steps since its last checkpoint (at most 2).
-SAMPLES, GLOBAL_BATCH = 576, 12
+# 64 steps of 12 samples at any worker count: enough for four interruptions, each of which costs Ray a restart of
+# its worker group (15-30 s here) and the trainer the steps since its last checkpoint (at most 2). Training goes on
+# meanwhile where it can: about 20 steps at one worker while the lost node comes back, and a few more by the
+# workers of a killed driver, which Ray ends a moment after it.
+SAMPLES, GLOBAL_BATCH = 768, 12
 STEPS = SAMPLES // GLOBAL_BATCH
 ONE_EPOCH = [*[arg for arg in LEDGER if arg != "--sample-log"], "--train-size", str(SAMPLES), "--global-batch-size",
              str(GLOBAL_BATCH)]
@@ -103,8 +105,8 @@ def test_a_run_loses_a_worker_its_driver_and_a_node_then_grows_back_and_trains_e
         tmp_path, cluster, uninterrupted):
     storage, name = tmp_path / "ray", "ledger"
     run = storage / name
-    run_args = ["--storage-path", str(storage), "--run-name", name, "--max-failures", "6", *PACED]
-    elastic, fixed = ["--num-workers", "1:2", "--resize-check-s", "2", *run_args], ["--num-workers", "2", *run_args]
+    run_args = ["--ray-storage-path", str(storage), "--ray-run-name", name, "--ray-max-failures", "6", *PACED]
+    elastic, fixed = ["--ray-workers", "1:2", "--ray-resize-check-s", "2", *run_args], ["--ray-workers", "2", *run_args]
     drivers = [Driver(tmp_path, "driver-0", elastic, cluster)]
     restarts: dict[str, float] = {}
 
@@ -168,6 +170,6 @@ def test_more_workers_than_the_cluster_can_place_are_refused_in_one_line(tmp_pat
     monkeypatch.setenv("RAY_ADDRESS", cluster.address)
     code = run_on_ray(None, ONE_EPOCH, RayRun(num_workers=(3, 3), storage_path=str(tmp_path)))
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert code == 2 and errors == ["error: --num-workers 3: the Ray cluster has room for 2 worker(s) of 1 CPU each; "
-                                    "add nodes, lower --num-workers or --cpus-per-worker, or pass --cluster-autoscales "
-                                    "if its autoscaler adds nodes"], errors
+    assert code == 2 and errors == ["error: --ray-workers 3: the Ray cluster has room for 2 worker(s) of 1 CPU each; "
+                                    "add nodes, lower --ray-workers or --ray-cpus-per-worker, or pass "
+                                    "--ray-cluster-autoscales if its autoscaler adds nodes"], errors

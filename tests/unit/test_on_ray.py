@@ -3,13 +3,24 @@ ones, and the runs on a real cluster, are in tests/deploy/test_ray.py)."""
 
 from __future__ import annotations
 
+import socket
+import subprocess
 import sys
 
 import pytest
 
-from devtools.processes import free_port
+from devtools.processes import clean_env, free_port
 from tests.integration.test_resize import LEDGER
-from trainer.on_ray import RAY_MISSING, RayRun, _check_reachable, main, pointed_at, run_on_ray, write_pointer
+from trainer.on_ray import (
+    RAY_MISSING,
+    RayRun,
+    _check_reachable,
+    driving,
+    main,
+    pointed_at,
+    run_on_ray,
+    write_pointer,
+)
 
 
 def errors(capsys: pytest.CaptureFixture[str]) -> list[str]:
@@ -18,8 +29,8 @@ def errors(capsys: pytest.CaptureFixture[str]) -> list[str]:
 
 UNREACHABLE = ("error: cannot reach the Ray cluster at 127.0.0.1:{port} (Connection refused); start one with "
                "`ray start --head`, or pass its GCS address as --ray-address HOST:PORT")
-OBJECT_STORE = ("error: --storage-path s3://bucket/runs: Ray's run folder must be a folder every worker mounts (NFS, a "
-                "shared volume) under ddp-train-ray; the checkpoints themselves may go to an object store "
+OBJECT_STORE = ("error: --ray-storage-path s3://bucket/runs: Ray's run folder must be a folder every worker mounts "
+                "(NFS, a shared volume) under ddp-train-ray; the checkpoints themselves may go to an object store "
                 "(--checkpoint-dir s3://...)")
 
 
@@ -41,15 +52,71 @@ def test_without_ray_installed_the_run_says_what_to_install(tmp_path, monkeypatc
 
 def test_the_trainers_flags_are_checked_on_the_driver_before_ray_starts(tmp_path, capsys):
     with pytest.raises(SystemExit) as exited:
-        main(["--storage-path", str(tmp_path), *LEDGER, "--epochs", "many"])
+        main(["--ray-storage-path", str(tmp_path), *LEDGER, "--epochs", "many"])
     assert exited.value.code == 2 and "argument --epochs: invalid int value: 'many'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("workers", ["0", "3:2", "two", "1:"])
-def test_a_worker_count_that_is_not_n_or_min_max_is_refused(workers, capsys):
+@pytest.mark.parametrize(("option", "value"), [("--ray-workers", "0"), ("--ray-workers", "3:2"),
+                                               ("--ray-workers", "two"), ("--ray-workers", "1:"),
+                                               ("--ray-cpus-per-worker", "nan"), ("--ray-cpus-per-worker", "-1"),
+                                               ("--ray-resize-check-s", "0")])
+def test_a_bad_worker_count_or_size_is_refused(option, value, capsys):
     with pytest.raises(SystemExit) as exited:
-        main(["--num-workers", workers])
-    assert exited.value.code == 2 and "argument --num-workers" in capsys.readouterr().err
+        main([option, value])
+    assert exited.value.code == 2 and f"argument {option}" in capsys.readouterr().err
+
+
+def test_the_trainers_own_flags_of_the_same_words_pass_through_to_it(monkeypatch):
+    """ddp-train's --num-workers (DataLoader workers) and --run-name (the tracker's run) are the trainer's."""
+    seen = {}
+    monkeypatch.setattr("trainer.on_ray.run_on_ray", lambda task, argv, ray_run: seen.update(argv=argv, run=ray_run))
+    main(["--ray-workers", "2:3", "--num-workers", "0", "--run-name", "nightly", "--ray-run-name", "fmnist"])
+    assert seen["argv"] == ["--num-workers", "0", "--run-name", "nightly"]
+    assert (seen["run"].num_workers, seen["run"].name) == ((2, 3), "fmnist")
+
+
+@pytest.mark.parametrize("name", ["team/fmnist", "", ".", "..", "../x"])
+def test_a_run_name_that_is_not_one_plain_folder_name_is_refused(name, tmp_path, capsys):
+    """Ray's run folder would not be the trainer's, and every report of a checkpoint would fail."""
+    assert run_on_ray(None, LEDGER, RayRun(name=name, storage_path=str(tmp_path))) == 2
+    assert errors(capsys) == [f"error: --ray-run-name {name!r}: a run's name is one plain folder name (letters, "
+                              f"digits, -_.), its folder STORAGE_PATH/NAME; put any hierarchy in --ray-storage-path"]
+
+
+def test_an_elastic_run_whose_global_batch_some_worker_count_does_not_divide_is_refused(tmp_path, capsys):
+    ray_run = RayRun(num_workers=(2, 4), storage_path=str(tmp_path))
+    assert run_on_ray(None, [*LEDGER, "--global-batch-size", "256"], ray_run) == 2
+    assert errors(capsys) == ["error: --global-batch-size 256 does not divide into 3 worker(s) x 1 micro-batch(es), "
+                              "and Ray may run it at any of 2:4 workers; give a multiple of 12"]
+
+
+def test_a_second_driver_of_a_running_run_is_refused_and_a_dead_drivers_run_is_free(tmp_path, capsys):
+    """Two drivers of one run would be one job to the checkpoint lease, and take the checkpoints from each other."""
+    folder = tmp_path / "fmnist"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_THE_RUN, str(folder)], stdout=subprocess.PIPE, text=True,
+                              env=clean_env())
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        assert run_on_ray(None, LEDGER, RayRun(name="fmnist", storage_path=str(tmp_path))) == 2
+        (line,) = errors(capsys)
+        assert line == (f"error: run {folder} already has a driver (ddp-train-ray pid {holder.pid} on "
+                        f"{socket.gethostname()}): two drivers of one run would take its checkpoints from each other; "
+                        f"stop that one, or choose another --ray-run-name")
+    finally:
+        holder.kill()
+        holder.wait()
+    with driving(folder):  # the dead driver's hold went with it
+        pass
+
+
+HOLD_THE_RUN = """
+import sys, time
+from pathlib import Path
+from trainer.on_ray import driving
+with driving(Path(sys.argv[1])):
+    print("holding", flush=True)
+    time.sleep(60)
+"""
 
 
 def test_each_report_gets_a_pointer_of_its_own_naming_the_trainers_checkpoint(tmp_path):
