@@ -15,12 +15,19 @@ from trainer.on_ray import (
     RAY_MISSING,
     RayRun,
     _check_reachable,
+    _gave_up,
     driving,
     main,
     pointed_at,
     run_on_ray,
     write_pointer,
 )
+
+
+@pytest.fixture(autouse=True)
+def no_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run that got past its checks would start a local Ray cluster (ray.init): here it stops at the address."""
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{free_port()}")
 
 
 def errors(capsys: pytest.CaptureFixture[str]) -> list[str]:
@@ -132,3 +139,21 @@ def test_each_report_gets_a_pointer_of_its_own_naming_the_trainers_checkpoint(tm
 def test_addresses_ray_resolves_itself_are_left_to_it(address):
     """A RayJob's entrypoint may see a dashboard's http:// address; only HOST:PORT and ray://HOST:PORT are tried."""
     _check_reachable(address)  # no connection attempted: nothing to refuse
+
+
+class FakeWorkerGroupError(Exception):
+    """Ray's WorkerGroupError as the driver reads it: each worker's failure of the last attempt."""
+
+    __module__ = "ray.train.v2.api.exceptions"
+
+    def __init__(self, failures: dict[int, Exception]) -> None:
+        super().__init__("Training failed due to worker errors")
+        self.worker_failures = failures
+
+
+@pytest.mark.parametrize(("codes", "exit_code"), [((2, 2), 2), ((2, 200), 200), ((), 200)])
+def test_when_ray_gives_up_the_exit_says_whether_the_input_is_to_fix(codes, exit_code, capsys):
+    failures = {rank: RuntimeError(f"the trainer exited with {code} on rank {rank}") for rank, code in enumerate(codes)}
+    assert _gave_up(FakeWorkerGroupError(failures), RayRun(storage_path="/runs")) == exit_code
+    (line,) = errors(capsys)
+    assert ("refused its input on every worker" in line) == (exit_code == 2), line
