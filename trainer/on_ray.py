@@ -191,7 +191,8 @@ def _fit(task: str | type | None, argv: list[str], location: str, ray_run: RayRu
         run_config = RunConfig(name=ray_run.name, storage_path=str(Path(ray_run.folder).parent),
                                failure_config=FailureConfig(max_failures=ray_run.max_failures),
                                checkpoint_config=CheckpointConfig(num_to_keep=1))
-        spec = {"task": task, "argv": list(argv), "settings": dict(settings), "run": ray_run.folder}
+        spec = {"task": task, "argv": list(argv), "settings": dict(settings), "run": ray_run.folder,
+                "checkpoints": location}
         trainer = TorchTrainer(_train_in_worker, train_loop_config=spec, torch_config=trainer_process_group(),
                                scaling_config=scaling, run_config=run_config)
         try:
@@ -286,26 +287,29 @@ def _train_in_worker(spec: dict[str, Any]) -> None:
     """Ray's training function, in each worker: the trainer's run, its checkpoints reported to Ray as they
     commit. A non-zero exit is a failure Ray restarts the worker group for (FailureConfig)."""
     os.environ[RAY_RUN_VARIABLE] = spec["run"]
-    argv = [*spec["argv"], *_resume_where_ray_restarts()]
+    argv = [*spec["argv"], *_resume_where_the_run_left_off(spec["checkpoints"])]
     code = run(spec["task"], argv, on_commit=functools.partial(report_to_ray, spec["run"]), **spec["settings"])
     if code != EXIT_OK:
         raise RuntimeError(f"the trainer exited with {code} on rank {os.environ.get('RANK', '?')}"
                            + (" (input to fix; see its log)" if code == EXIT_USAGE else ""))
 
 
-def _resume_where_ray_restarts() -> list[str]:
-    """The flags a worker group adds once the run has a checkpoint Ray knows of (Ray restarted the group, or a
-    driver started the run again): --resume latest, whatever the first start was given (--resume none or PATH
-    again would retrain from the start, or from a checkpoint pruned since). The newest committed one: Ray's, or a
-    newer one committed by a worker that died before its report."""
+def _resume_where_the_run_left_off(location: str) -> list[str]:
+    """The flags a worker group adds once the run has checkpoints of its own (Ray restarted the group, or a driver
+    started the run again): --resume latest, whatever the first start was given (--resume none or a path again
+    would retrain from the start, or from a checkpoint pruned since). Found in the checkpoint folder, not asked of
+    Ray: a worker that dies moments after a report takes it with it before Ray's controller collects it, and Ray
+    then knows of no checkpoint (seen here: a group killed at step 4 had reported step 2, and its restart got none
+    from ray.train.get_checkpoint)."""
     import ray.train
 
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
+    if not open_storage(location).list_checkpoints():
         return []
     if ray.train.get_context().get_world_rank() == 0:
-        print(f"Ray restarts the run; its last report named checkpoint {_pointer_target(checkpoint.path)}, and the "
-              f"trainer resumes from its newest committed one (--resume latest)", flush=True)
+        known = ray.train.get_checkpoint()
+        told = f"Ray's last report named {_pointer_target(known.path)}" if known else "Ray knows of none"
+        print(f"the run has checkpoints in {redact(location)} ({told}): the trainer resumes from its newest committed "
+              f"one (--resume latest)", flush=True)
     return ["--resume", "latest"]
 
 
