@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import fcntl
 import functools
 import json
@@ -39,6 +40,7 @@ from typing import Any
 
 from trainer.api import run
 from trainer.checkpoint import Committed, open_storage
+from trainer.checkpoint.storage import MANIFEST
 from trainer.cli import parse_config
 from trainer.config import Config
 from trainer.errors import EXIT_OK, EXIT_PEER_LOST, EXIT_USAGE, UserError, first_line
@@ -87,12 +89,27 @@ def run_on_ray(task: str | type | None = None, argv: Sequence[str] = (), ray_run
     config values. Returns the exit code: 0, EXIT_USAGE for input to fix, EXIT_PEER_LOST when Ray gave up."""
     ray_run = ray_run or RayRun()
     try:
+        _check_run(ray_run)
         trainer_argv, location = _trainer_arguments(task, argv, ray_run, settings)
         with driving(Path(ray_run.folder)):
             return _fit(task, trainer_argv, location, ray_run, settings)
     except UserError as error:
         print(f"error: {redact(str(error))}", file=sys.stderr, flush=True)
         return error.exit_code
+
+
+def _check_run(ray_run: RayRun) -> None:
+    """What the command line's types check, for the Python form too."""
+    low, high = ray_run.num_workers
+    problems = [(not 1 <= low <= high, f"num_workers {ray_run.num_workers}: need 1 <= MIN <= MAX"),
+                (not (math.isfinite(ray_run.cpus_per_worker) and ray_run.cpus_per_worker > 0),
+                 f"cpus_per_worker {ray_run.cpus_per_worker}: need a number above 0"),
+                (not (math.isfinite(ray_run.resize_check_s) and ray_run.resize_check_s > 0),
+                 f"resize_check_s {ray_run.resize_check_s}: need a number above 0"),
+                (ray_run.max_failures < -1, f"max_failures {ray_run.max_failures}: need -1 (no limit) or more")]
+    for wrong, message in problems:
+        if wrong:
+            raise RayLaunchError(f"RayRun {message}")
 
 
 def _trainer_arguments(task: str | type | None, argv: Sequence[str], ray_run: RayRun,
@@ -105,8 +122,8 @@ def _trainer_arguments(task: str | type | None, argv: Sequence[str], ray_run: Ra
                              f"worker mounts (NFS, a shared volume) under ddp-train-ray; the checkpoints themselves "
                              f"may go to an object store (--checkpoint-dir s3://...)")
     if ray_run.name in ("", ".", "..") or "/" in ray_run.name or os.sep in ray_run.name:
-        raise RayLaunchError(f"--ray-run-name {ray_run.name!r}: a run's name is one plain folder name (letters, "
-                             f"digits, -_.), its folder STORAGE_PATH/NAME; put any hierarchy in --ray-storage-path")
+        raise RayLaunchError(f"--ray-run-name {ray_run.name!r}: a run's name is one folder name (no '/', not '.' or "
+                             f"'..'), its folder STORAGE_PATH/NAME; put any hierarchy in --ray-storage-path")
     arguments = ["--output-dir", ray_run.folder, *argv]
     config, _ = parse_config(arguments, task=task, settings=settings, prog="ddp-train-ray")
     _check_every_size(config, ray_run.num_workers)
@@ -121,9 +138,11 @@ def _check_every_size(config: Config, workers: tuple[int, int]) -> None:
     bad = [size for size in sizes if global_batch and global_batch % (size * accum)]
     if bad:
         step = math.lcm(*sizes) * accum
-        raise RayLaunchError(f"--global-batch-size {global_batch} does not divide into {', '.join(map(str, bad))} "
-                             f"worker(s) x {accum} micro-batch(es), and Ray may run it at any of "
-                             f"{_workers_text(workers)} workers; give a multiple of {step}")
+        advice = f"give a multiple of {step}" if step < 10**12 else "narrow --ray-workers"
+        shown = ", ".join(map(str, bad[:10])) + (", ..." if len(bad) > 10 else "")
+        raise RayLaunchError(f"--global-batch-size {global_batch} does not divide into {shown} worker(s) x {accum} "
+                             f"micro-batch(es), and Ray may run it at any of {_workers_text(workers)} workers; "
+                             f"{advice}")
 
 
 @contextlib.contextmanager
@@ -141,7 +160,12 @@ def driving(folder: Path) -> Iterator[None]:
     with handle:
         try:
             fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as error:
+            if error.errno not in (errno.EAGAIN, errno.EACCES):  # no locks here at all (an NFS mount without them)
+                print(f"warning: cannot lock {folder / DRIVER_LOCK} ({error.strerror}): a second driver of this run "
+                      f"would not be refused", file=sys.stderr, flush=True)
+                yield
+                return
             handle.seek(0)
             holder = handle.read().strip() or "another process"
             raise RayLaunchError(f"run {folder} already has a driver ({holder}): two drivers of one run would take "
@@ -212,8 +236,8 @@ def _gave_up(error: Exception, ray_run: RayRun) -> int:
     """Ray's last failure as the exit code: input to fix where every worker's trainer said so (Ray retries any
     failure), else retryable from the checkpoints."""
     failures = getattr(error, "worker_failures", {}) or {}
-    codes = {int(code) for failure in failures.values() for code in TRAINER_EXIT.findall(str(failure))}
-    if codes == {EXIT_USAGE}:
+    codes = [TRAINER_EXIT.findall(str(failure)) for failure in failures.values()]
+    if codes and all(found and int(found[0]) == EXIT_USAGE for found in codes):
         print(f"error: Ray Train gave up on run {ray_run.folder}: the trainer refused its input on every worker "
               f"(exit {EXIT_USAGE}; the workers' log above says why)", file=sys.stderr, flush=True)
         return EXIT_USAGE
@@ -225,13 +249,20 @@ def _gave_up(error: Exception, ray_run: RayRun) -> int:
 
 def _newest(location: str, result: Any) -> str:
     """The run's newest checkpoint, and Ray's last report where it names an older one (a worker died between a
-    commit and its report, or the last start had nothing left to train)."""
-    storage = open_storage(location)
-    names = storage.list_checkpoints()
-    newest = storage.describe(names[0]) if names else "none"
+    commit and its report, or the last start had nothing left to train). Only what Ray reported where the driver
+    cannot list the checkpoints (they are the workers' to reach: a bucket whose credentials only they hold)."""
     reported = _pointer_target(result.checkpoint.path) if result.checkpoint is not None else None
-    return f"newest checkpoint {newest}" + (f" (Ray's last report named {reported})" if reported not in (None, newest)
-                                            else "")
+    try:
+        storage = open_storage(location)
+        names = storage.list_checkpoints()
+        newest = storage.describe(names[0]) if names else None
+    except Exception:  # noqa: BLE001 - any backend's error: the training is done, the line only informs
+        newest = None
+    if newest is None:
+        return redact(f"Ray's last report named checkpoint {reported}" if reported else
+                      f"no checkpoint that the driver can see in {location}")
+    return redact(f"newest checkpoint {newest}" + (f" (Ray's last report named {reported})"
+                                                    if reported not in (None, newest) else ""))
 
 
 def _connect(ray: Any, ray_run: RayRun) -> None:
@@ -303,21 +334,28 @@ def _resume_where_the_run_left_off(location: str) -> list[str]:
     from ray.train.get_checkpoint)."""
     import ray.train
 
-    if not open_storage(location).list_checkpoints():
+    if not _has_committed(location):
         return []
     if ray.train.get_context().get_world_rank() == 0:
         known = ray.train.get_checkpoint()
         told = f"Ray's last report named {_pointer_target(known.path)}" if known else "Ray knows of none"
-        print(f"the run has checkpoints in {redact(location)} ({told}): the trainer resumes from its newest committed "
-              f"one (--resume latest)", flush=True)
+        print(redact(f"the run has checkpoints in {location} ({told}): the trainer resumes from its newest committed "
+                     f"one (--resume latest)"), flush=True)
     return ["--resume", "latest"]
+
+
+def _has_committed(location: str) -> bool:
+    """Whether the checkpoint folder holds a committed checkpoint (its manifest written): a save that never
+    finished does not count, and the trainer removes it."""
+    storage = open_storage(location)
+    return any(MANIFEST in storage.files(name) for name in storage.list_checkpoints())
 
 
 def _pointer_target(pointer: str) -> str:
     """pointed_at for a message: a pointer that cannot be read is named as such, never an error."""
     try:
         return pointed_at(pointer)
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError):
         return f"(unreadable: {pointer})"
 
 

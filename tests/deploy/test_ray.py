@@ -105,7 +105,7 @@ def test_a_run_loses_a_worker_its_driver_and_a_node_then_grows_back_and_trains_e
         tmp_path, cluster, uninterrupted):
     storage, name = tmp_path / "ray", "ledger"
     run = storage / name
-    # --resume none: each worker group Ray starts once it knows of a checkpoint resumes the newest all the same.
+    # --resume none: each worker group Ray starts once the run has checkpoints resumes the newest all the same.
     run_args = ["--ray-storage-path", str(storage), "--ray-run-name", name, "--ray-max-failures", "6", *PACED,
                 "--resume", "none"]
     elastic, fixed = ["--ray-workers", "1:2", "--ray-resize-check-s", "2", *run_args], ["--ray-workers", "2", *run_args]

@@ -3,6 +3,7 @@ ones, and the runs on a real cluster, are in tests/deploy/test_ray.py)."""
 
 from __future__ import annotations
 
+import errno
 import socket
 import subprocess
 import sys
@@ -16,6 +17,8 @@ from trainer.on_ray import (
     RayRun,
     _check_reachable,
     _gave_up,
+    _has_committed,
+    _newest,
     driving,
     main,
     pointed_at,
@@ -86,8 +89,8 @@ def test_the_trainers_own_flags_of_the_same_words_pass_through_to_it(monkeypatch
 def test_a_run_name_that_is_not_one_plain_folder_name_is_refused(name, tmp_path, capsys):
     """Ray's run folder would not be the trainer's, and every report of a checkpoint would fail."""
     assert run_on_ray(None, LEDGER, RayRun(name=name, storage_path=str(tmp_path))) == 2
-    assert errors(capsys) == [f"error: --ray-run-name {name!r}: a run's name is one plain folder name (letters, "
-                              f"digits, -_.), its folder STORAGE_PATH/NAME; put any hierarchy in --ray-storage-path"]
+    assert errors(capsys) == [f"error: --ray-run-name {name!r}: a run's name is one folder name (no '/', not '.' or "
+                              f"'..'), its folder STORAGE_PATH/NAME; put any hierarchy in --ray-storage-path"]
 
 
 def test_an_elastic_run_whose_global_batch_some_worker_count_does_not_divide_is_refused(tmp_path, capsys):
@@ -151,9 +154,47 @@ class FakeWorkerGroupError(Exception):
         self.worker_failures = failures
 
 
-@pytest.mark.parametrize(("codes", "exit_code"), [((2, 2), 2), ((2, 200), 200), ((), 200)])
+@pytest.mark.parametrize(("codes", "exit_code"), [((2, 2), 2), ((2, 200), 200), ((2, None), 200), ((), 200)])
 def test_when_ray_gives_up_the_exit_says_whether_the_input_is_to_fix(codes, exit_code, capsys):
-    failures = {rank: RuntimeError(f"the trainer exited with {code} on rank {rank}") for rank, code in enumerate(codes)}
+    """Exit 2 (do not retry) only where every worker's trainer refused its input; a worker lost otherwise is not."""
+    failures = {rank: RuntimeError(f"the trainer exited with {code} on rank {rank}" if code else "actor died")
+                for rank, code in enumerate(codes)}
     assert _gave_up(FakeWorkerGroupError(failures), RayRun(storage_path="/runs")) == exit_code
     (line,) = errors(capsys)
     assert ("refused its input on every worker" in line) == (exit_code == 2), line
+
+
+def test_the_python_forms_run_is_checked_as_the_command_lines(tmp_path, capsys):
+    for ray_run, message in [(RayRun(num_workers=(0, 0)), "num_workers (0, 0): need 1 <= MIN <= MAX"),
+                             (RayRun(num_workers=(3, 2)), "num_workers (3, 2): need 1 <= MIN <= MAX"),
+                             (RayRun(cpus_per_worker=float("nan")), "cpus_per_worker nan: need a number above 0"),
+                             (RayRun(max_failures=-2), "max_failures -2: need -1 (no limit) or more")]:
+        assert run_on_ray(None, LEDGER, ray_run) == 2
+        assert errors(capsys) == [f"error: RayRun {message}"]
+
+
+def test_a_folder_without_locks_warns_and_runs(tmp_path, monkeypatch, capsys):
+    """NFS mounted without locking: every lock attempt fails with ENOLCK, which is no other driver's."""
+    def no_locks(*args: object) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr("trainer.on_ray.fcntl.lockf", no_locks)
+    with driving(tmp_path / "run"):
+        pass
+    assert "warning: cannot lock" in capsys.readouterr().err
+
+
+def test_only_a_committed_checkpoint_makes_a_restart_resume_latest(tmp_path):
+    """A first save killed before its manifest leaves a folder the trainer removes: the user's --resume stands."""
+    (tmp_path / "step-00000008").mkdir()
+    (tmp_path / "step-00000008" / "state.pt").write_bytes(b"partial")
+    assert not _has_committed(str(tmp_path))
+    (tmp_path / "step-00000008" / "manifest.json").write_text("{}")
+    assert _has_committed(str(tmp_path))
+
+
+def test_the_last_line_names_what_ray_reported_where_the_driver_cannot_list_the_checkpoints(tmp_path):
+    pointer = write_pointer(tmp_path, "memory://user:secret@bucket/c/step-00000004", 4)
+    result = type("Result", (), {"checkpoint": type("Checkpoint", (), {"path": str(pointer)})()})()
+    line = _newest("nosuchscheme://user:secret@bucket/c", result)
+    assert line == "Ray's last report named checkpoint memory://user:***@bucket/c/step-00000004", line
