@@ -32,6 +32,7 @@ PUBLIC_MODULES = (
     "trainer.doctor",
     "trainer.export",
     "trainer.tracking",
+    "trainer.on_ray",
 )
 __all__ = ["PUBLIC_MODULES", "Task", "TaskData", "__version__", "run"]
 
