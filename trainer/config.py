@@ -109,16 +109,20 @@ class TrainConfig:
         check(self.max_steps >= 0, "--max-steps must be >= 0")
         check_choice(self.sync, "sync", SYNC_METHODS)
 
+    def divides(self, world_size: int, accum: int) -> bool:
+        """Whether --global-batch-size (if given) splits evenly into world_size ranks x accum micro-batches."""
+        parts = world_size * accum
+        return not self.global_batch_size or (self.global_batch_size >= parts and self.global_batch_size % parts == 0)
+
     def per_rank_batch(self, world_size: int, accum: int) -> int:
         """Samples per rank per micro-batch at this world size: --batch-size, or --global-batch-size's share."""
         if not self.global_batch_size:
             return self.batch_size
-        share, left = divmod(self.global_batch_size, world_size * accum)
-        check(share >= 1 and left == 0,
+        check(self.divides(world_size, accum),
               f"--global-batch-size {self.global_batch_size} does not divide into {world_size} rank(s) x {accum} "
               f"micro-batch(es) per step; give a multiple of {world_size * accum} (for an elastic job, one that "
               f"ranks x --grad-accum-steps divides at every world size it may run at)")
-        return share
+        return self.global_batch_size // (world_size * accum)
 
 
 @dataclass

@@ -135,7 +135,7 @@ def _check_every_size(config: Config, workers: tuple[int, int]) -> None:
     workers when Ray resizes the run to a count it does not divide (which would fail every attempt at that size)."""
     accum, global_batch = config.optim.grad_accum_steps, config.train.global_batch_size
     sizes = range(workers[0], workers[1] + 1)
-    bad = [size for size in sizes if global_batch and global_batch % (size * accum)]
+    bad = [size for size in sizes if not config.train.divides(size, accum)]
     if bad:
         step = math.lcm(*sizes) * accum
         advice = f"give a multiple of {step}" if step < 10**12 else "narrow --ray-workers"
@@ -271,9 +271,12 @@ def _connect(ray: Any, ray_run: RayRun) -> None:
     try:
         ray.init(address=ray_run.address)
     except (ConnectionError, RuntimeError, ValueError) as error:
-        where = ray_run.address or os.environ.get("RAY_ADDRESS", "") or "the local machine"
-        raise RayLaunchError(f"cannot reach the Ray cluster at {where} ({first_line(error)[:300]}); start one with "
-                             f"`ray start --head`, or pass its GCS address as --ray-address HOST:PORT") from None
+        raise _unreachable(address or "the local machine", first_line(error)[:300]) from None
+
+
+def _unreachable(where: str, why: str) -> RayLaunchError:
+    return RayLaunchError(f"cannot reach the Ray cluster at {where} ({why}); start one with `ray start --head`, or "
+                          f"pass its GCS address as --ray-address HOST:PORT")
 
 
 def _check_reachable(address: str) -> None:
@@ -286,8 +289,7 @@ def _check_reachable(address: str) -> None:
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
     except OSError as error:
-        raise RayLaunchError(f"cannot reach the Ray cluster at {address} ({error.strerror or error}); start one with "
-                             f"`ray start --head`, or pass its GCS address as --ray-address HOST:PORT") from None
+        raise _unreachable(address, str(error.strerror or error)) from None
 
 
 def _check_capacity(ray: Any, ray_run: RayRun) -> None:
