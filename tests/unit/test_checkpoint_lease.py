@@ -15,10 +15,8 @@ from tests.support.checkpoint_reading import state_at
 from trainer.checkpoint import CheckpointManager, Monitor, open_storage, storage
 from trainer.checkpoint.lease import LEASE_FOLDER, CheckpointLease, Holder
 from trainer.checkpoint.storage import step_of
-from trainer.config import CheckpointConfig, DistConfig
-from trainer.distributed import destroy_process_group, init_process_group
+from trainer.config import CheckpointConfig
 from trainer.errors import CheckpointError
-from trainer.launchers import identity_from_env
 
 LOG = logging.getLogger("lease-test")
 
@@ -137,13 +135,6 @@ def test_a_lease_file_being_written_or_damaged_counts_as_held_until_taken_over(l
     with pytest.raises(CheckpointError, match="is being written or is damaged.*--take-over-checkpoint-dir"):
         lease_for(location, "job-a").take()
     lease_for(location, "job-a").take(take_over=True)
-
-
-@pytest.fixture(scope="module")
-def runtime():
-    runtime = init_process_group(DistConfig(), identity_from_env({}), __import__("torch").device("cpu"))
-    yield runtime
-    destroy_process_group()
 
 
 def test_a_link_or_a_folder_in_place_of_a_lease_file_is_held_until_taken_over(tmp_path, runtime):

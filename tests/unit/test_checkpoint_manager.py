@@ -12,7 +12,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import fsspec
 import pytest
@@ -23,17 +23,9 @@ from tests.support.checkpoint_reading import state_at, whole
 from trainer.checkpoint import CheckpointManager, Monitor, open_storage, verify
 from trainer.checkpoint.manager import RELEASE_AFTER_STALL_S, InvalidCheckpoint
 from trainer.checkpoint.storage import LocalStorage, step_of
-from trainer.config import CheckpointConfig, DistConfig
-from trainer.distributed import Runtime, destroy_process_group, init_process_group
+from trainer.config import CheckpointConfig
+from trainer.distributed import Runtime
 from trainer.errors import EXIT_PEER_LOST, CheckpointError, StorageStalled
-from trainer.launchers import identity_from_env
-
-
-@pytest.fixture(scope="module")
-def runtime() -> Iterator[Runtime]:
-    runtime = init_process_group(DistConfig(), identity_from_env({}), torch.device("cpu"))
-    yield runtime
-    destroy_process_group()
 
 
 @pytest.fixture

@@ -5,25 +5,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
 
-import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.support.checkpoint_reading import state_at
 from trainer.checkpoint import CheckpointManager, Monitor
-from trainer.config import CheckpointConfig, DistConfig
-from trainer.distributed import Runtime, destroy_process_group, init_process_group
+from trainer.config import CheckpointConfig
 from trainer.export import TIED_KEY, export_weights
-from trainer.launchers import identity_from_env
-
-
-@pytest.fixture(scope="module")
-def runtime() -> Iterator[Runtime]:
-    runtime = init_process_group(DistConfig(), identity_from_env({}), torch.device("cpu"))
-    yield runtime
-    destroy_process_group()
 
 
 def test_tied_weights_are_written_once_to_safetensors_and_named_and_stay_tied_in_a_torch_file(runtime, tmp_path):

@@ -5,22 +5,8 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Iterator
 
-import pytest
-import torch
-
-from trainer.config import DistConfig
-from trainer.distributed import Runtime, destroy_process_group, init_process_group
-from trainer.launchers import identity_from_env
 from trainer.preemption import PreemptionWatcher
-
-
-@pytest.fixture(scope="module")
-def runtime() -> Iterator[Runtime]:
-    runtime = init_process_group(DistConfig(), identity_from_env({}), torch.device("cpu"))
-    yield runtime
-    destroy_process_group()
 
 
 def test_training_in_a_thread_installs_no_handler_and_says_stop_signals_are_the_launchers(runtime, caplog):
