@@ -44,8 +44,10 @@ ONE_EPOCH = [*[arg for arg in LEDGER if arg != "--sample-log"], "--train-size", 
 PACED = [*[arg if arg != "tests.support.ledger:LedgerTask" else "tests.support.ledger:PacedLedgerTask"
            for arg in ONE_EPOCH], "--step-delay-s", "0.25", "--checkpoint-every", "2"]
 # A worker group Ray starts on a node that just died waits this long to fail (Ray's default, 60 s, would make the
-# node-lost restart most of the test's time); then Ray starts the group with the nodes there are.
-DRIVER_ENV = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20"}
+# node-lost restart most of the test's time); then Ray starts the group with the nodes there are. Ray's log
+# deduplication off: within its 5 s window it prints a line that came again with "[repeated Nx across cluster]" and
+# colour codes appended, which the line-matching below would read as another line (CI saw it once).
+DRIVER_ENV = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20", "RAY_DEDUP_LOGS": "0"}
 NEWEST = re.compile(r"Ray run (\S+): newest checkpoint (\S+)")
 
 
