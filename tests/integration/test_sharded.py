@@ -120,13 +120,24 @@ def test_resharding_2_to_3_to_1_trains_every_sample_once_in_order_and_ends_alike
     assert final_test(tmp_path)["accuracy"] == final_test(uninterrupted)["accuracy"]
 
 
+# A momentum buffer is the sum of the gradients so far, and one gradient element jumps where rounding flips a tie in
+# the max-pooling (the synthetic images have flat patches) or a ReLU at zero: on an AMD CPU, hsdp against the 2-rank
+# reference moved 25 elements of one conv channel by up to 2e-3 (0.2% of the tensor's norm), every other element by
+# ~1e-6, while the parameters, which move by lr x that, stayed within 3e-6. A momentum loaded wrong (zeros, another
+# shard's rows) or a step trained twice or skipped is off by tens of percent.
+MOMENTUM_TOLERANCE = 0.01  # of the reference tensor's norm
+
+
 def assert_close(state: dict, reference: dict) -> None:
-    """The model and the optimizer's momentum within rounding of the reference's."""
+    """The model within rounding of the reference's; the optimizer's momentum within rounding and tie flips."""
     for part in ("model", "optimizer"):
         flat, expected = _tensors(state[part]), _tensors(reference[part])
         assert flat.keys() == expected.keys(), part
         for path, tensor in expected.items():
-            if tensor.is_floating_point():
+            if tensor.is_floating_point() and part == "optimizer":
+                gap = float((flat[path] - tensor).norm())
+                assert gap <= MOMENTUM_TOLERANCE * float(tensor.norm()) + TOLERANCE, f"{part}{path}: {gap}"
+            elif tensor.is_floating_point():
                 assert torch.allclose(flat[path], tensor, rtol=0, atol=TOLERANCE), f"{part}{path}"
             else:
                 assert torch.equal(flat[path], tensor), f"{part}{path}"  # BatchNorm's batch counts
