@@ -74,6 +74,10 @@ class Tracker(ABC):
     call runs on the tracker's own thread, in order. Any exception is handled by Tracking: at the start it ends
     the run with one line, afterwards it is a warning."""
 
+    def load(self) -> None:  # noqa: B027 - optional: for trackers with a client library to import
+        """Import the client library, before ``start`` and outside --tracker-timeout-s: an import takes seconds on
+        a busy node (MLflow's 2 s on an idle one here), and the timeout is the tracker's to answer in."""
+
     @abstractmethod
     def start(self, run: TrackerRun, log: logging.Logger) -> str:
         """Connect, create or continue the run, record its parameters; the run's id (saved in checkpoints)."""
@@ -108,6 +112,11 @@ def flat_params(nested: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
         else:
             flat[f"{prefix}{key}"] = str(value)
     return flat
+
+
+def _missing_library(name: str, error: ImportError) -> TrackerError:
+    return TrackerError(f"--tracker {name} needs its client library ({first_line(error)}); install it with pip "
+                        f"install 'ddp-deploy[{name}]'")
 
 
 class _Channel:
@@ -232,6 +241,10 @@ class Tracking:
                               forked_from, redact(fork))
             run = TrackerRun(self.config.experiment, name, resume_id, params, self.output_dir, self.config,
                              forked_from, resumed_at_step)
+            try:
+                tracker.load()
+            except ImportError as error:
+                raise _missing_library(tracker_name, error) from None
             run_id = self._within_timeout(tracker_name, tracker, lambda t=tracker, r=run: t.start(r, self.log))
             continued = "continues" if run_id == resume_id else "started"
             self.log.info("tracker %s: %s run %s%s", tracker_name, continued, run_id,
@@ -263,8 +276,7 @@ class Tracking:
         if isinstance(result, TrackerError):
             raise result
         if isinstance(result, ImportError):
-            raise TrackerError(f"--tracker {name} needs its client library ({first_line(result)}); install it with "
-                               f"pip install 'ddp-deploy[{name}]'") from None
+            raise _missing_library(name, result) from None
         if isinstance(result, BaseException):
             raise TrackerError(redact(f"--tracker {name}{where} refused the run ({first_line(result)}); fix the "
                                       f"tracker's settings or run without --tracker {name}")) from None

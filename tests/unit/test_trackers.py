@@ -145,3 +145,43 @@ def test_a_proxy_named_by_all_proxy_or_without_a_scheme_is_used_and_its_password
     with pytest.raises(TrackerError) as raised:
         _check_reachable("http://tracking.invalid:5000", 5)
     assert "PROXYPW2" not in str(raised.value) and f"alice:***@127.0.0.1:{port}" in str(raised.value)
+
+
+class Loading(Slow):
+    """A client library that takes ``load_s`` to import (or is missing: ``missing``) and a server ``start_s`` to
+    answer."""
+
+    load_s, start_s, missing = 0.0, 0.0, False
+
+    def load(self) -> None:
+        time.sleep(self.load_s)
+        if self.missing:
+            raise ModuleNotFoundError("No module named 'loading'")
+
+    def start(self, run: TrackerRun, log: logging.Logger) -> str:
+        time.sleep(self.start_s)
+        return "loading-1"
+
+
+@pytest.mark.parametrize(("load_s", "start_s", "missing", "error"), [
+    (0.6, 0.0, False, None),  # a slow import is not the server's silence
+    (0.0, 0.6, False, "--tracker loading: no answer within 0.3 s; start the tracker or fix its address, raise "
+                      "--tracker-timeout-s, or run without --tracker loading"),
+    (0.0, 0.0, True, "--tracker loading needs its client library (No module named 'loading'); install it with pip "
+                     "install 'ddp-deploy[loading]'"),
+])
+def test_only_the_trackers_answer_is_timed_not_its_import(slow, tmp_path, monkeypatch, load_s, start_s, missing,
+                                                         error):
+    TRACKERS.add("loading", Loading, "the test's own")
+    monkeypatch.setattr(Loading, "load_s", load_s)
+    monkeypatch.setattr(Loading, "start_s", start_s)
+    monkeypatch.setattr(Loading, "missing", missing)
+    tracking = Tracking(TrackingConfig(tracker="loading", tracker_timeout_s=0.3), tmp_path, True,
+                        logging.getLogger("t"))
+    if error is None:
+        tracking.start({})
+        assert tracking.run_ids == {"loading": "loading-1"}
+    else:
+        with pytest.raises(TrackerError) as refused:
+            tracking.start({})
+        assert str(refused.value) == error

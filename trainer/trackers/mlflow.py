@@ -47,13 +47,16 @@ class MlflowTracker(Tracker):
             return f"{self.uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
         return self.uri
 
+    def load(self) -> None:
+        from mlflow import MlflowClient  # noqa: F401 - imported late: an extra (pip install 'ddp-deploy[mlflow]')
+
     def start(self, run: TrackerRun, log: logging.Logger) -> str:
         self.uri = run.settings.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
         if not self.uri:
             raise TrackerError("--tracker mlflow needs a tracking server: pass --tracking-uri or set "
                                "MLFLOW_TRACKING_URI (http://host:5000, or a local mlruns folder's file:// URL)")
         _check_reachable(self.uri, run.settings.tracker_timeout_s)
-        from mlflow import MlflowClient  # imported late: an extra (pip install 'ddp-deploy[mlflow]')
+        from mlflow import MlflowClient  # loaded by load()
 
         # MLflow's client prints the run's address at its end, credentials of the URI included; start() logs it
         # redacted instead (trainer.tracking).

@@ -39,8 +39,11 @@ class WandbTracker(Tracker):
     def describe(self) -> str:
         return f"W&B, {self.mode}" if self.mode else ""
 
+    def load(self) -> None:
+        import wandb  # noqa: F401 - imported late: an extra (pip install 'ddp-deploy[wandb]')
+
     def start(self, run: TrackerRun, log: logging.Logger) -> str:
-        import wandb  # imported late: an extra (pip install 'ddp-deploy[wandb]')
+        import wandb  # loaded by load()
 
         folder = Path(os.environ.get("WANDB_DIR") or run.output_dir)
         folder.mkdir(parents=True, exist_ok=True)
