@@ -3,7 +3,8 @@
 
 One elastic run (1 to 2 workers) lives through what Ray does to a job: a worker process killed mid-epoch (Ray
 restarts the group at the same size), a node lost (Ray goes on with one worker), the node back (Ray grows the group
-to two), and the driver killed and started again with the same run. Ray's own data iterator repeats or skips
+to two), and the driver killed and started again with the same run, under fsdp from there on (its workers reshard
+the ddp checkpoint), so both sync methods train under Ray. Ray's own data iterator repeats or skips
 samples across such restarts; the ledger task counts every sample of the epoch trained exactly once, and the model
 ends bitwise equal to the same epoch trained straight through. More workers than the cluster can place get one
 line (tests/unit/test_on_ray.py has the bad inputs that need no cluster).
@@ -11,6 +12,7 @@ line (tests/unit/test_on_ray.py has the bad inputs that need no cluster).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -110,7 +112,8 @@ def test_a_run_loses_a_worker_its_driver_and_a_node_then_grows_back_and_trains_e
     # --resume none: each worker group Ray starts once the run has checkpoints resumes the newest all the same.
     run_args = ["--ray-storage-path", str(storage), "--ray-run-name", name, "--ray-max-failures", "6", *PACED,
                 "--resume", "none"]
-    elastic, fixed = ["--ray-workers", "1:2", "--ray-resize-check-s", "2", *run_args], ["--ray-workers", "2", *run_args]
+    elastic = ["--ray-workers", "1:2", "--ray-resize-check-s", "2", *run_args]
+    fixed_fsdp = ["--ray-workers", "2", *run_args, "--sync", "fsdp"]
     drivers = [Driver(tmp_path, "driver-0", elastic, cluster)]
     restarts: dict[str, float] = {}
 
@@ -134,7 +137,7 @@ def test_a_run_loses_a_worker_its_driver_and_a_node_then_grows_back_and_trains_e
         # a dead driver's reservation of the cluster for 180 s (AUTOSCALING_REQUESTS_EXPIRE_TIME_S), and an elastic
         # run started again meanwhile finds no room for a worker.
         drivers[-1].kill()
-        drivers.append(Driver(tmp_path, "driver-1", fixed, cluster))
+        drivers.append(Driver(tmp_path, "driver-1", fixed_fsdp, cluster))
 
     try:
         # A worker process killed: Ray restarts the group, at the same size (both nodes are there).
@@ -155,6 +158,9 @@ def test_a_run_loses_a_worker_its_driver_and_a_node_then_grows_back_and_trains_e
     assert [step for _, step in history] == sorted({step for _, step in history}), "each resumes a newer one"
     assert history[-1][1] < STEPS, "the last restart came before the end of the epoch"
     assert summary(run)["global_step"] == STEPS
+    # The last group trained under fsdp: its checkpoints are DCP files, one per worker.
+    last = json.loads((run / "checkpoints" / f"step-{STEPS:08d}" / "manifest.json").read_text())
+    assert last["format"] == 5 and {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(last["files"]), last
     weights = ledger(run)
     assert_each_sample_trained_once(weights, [GLOBAL_BATCH] * STEPS)
     assert torch.equal(weights, uninterrupted), "bitwise the model of the uninterrupted run at one rank"
