@@ -242,8 +242,9 @@ class TrackingConfig:
                            resume=ResumeRule.IGNORE)
     tracker_checkpoints: bool = option(False, "once the run ends, upload its newest checkpoint to the MLflow run's "
                                               "artifacts", resume=ResumeRule.IGNORE)
-    tracker_timeout_s: float = option(60.0, "how long a tracker may take to start, and to take the last records at "
-                                            "the end; past it, the start fails (exit 2) and the end warns",
+    tracker_timeout_s: float = option(60.0, "how long a tracker may take to start (its client library's import "
+                                            "not counted), and to take the last records at the end; past it, the "
+                                            "start fails (exit 2) and the end warns",
                                       resume=ResumeRule.IGNORE)
 
     def __post_init__(self) -> None:

@@ -76,7 +76,8 @@ class Tracker(ABC):
 
     def load(self) -> None:  # noqa: B027 - optional: for trackers with a client library to import
         """Import the client library, before ``start`` and outside --tracker-timeout-s: an import takes seconds on
-        a busy node (MLflow's 2 s on an idle one here), and the timeout is the tracker's to answer in."""
+        a busy node (MLflow's 2 s on an idle one here), and the timeout is the tracker's to answer in. (An import
+        that blocks for good, on a hung network mount, then holds rank 0 until the collective timeout.)"""
 
     @abstractmethod
     def start(self, run: TrackerRun, log: logging.Logger) -> str:
@@ -245,6 +246,10 @@ class Tracking:
                 tracker.load()
             except ImportError as error:
                 raise _missing_library(tracker_name, error) from None
+            except Exception as error:  # a broken install (protobuf's "Descriptors cannot be created directly")
+                raise TrackerError(f"--tracker {tracker_name}: its client library fails to load "
+                                   f"({type(error).__name__}: {first_line(error)}); repair it (pip install "
+                                   f"'ddp-deploy[{tracker_name}]') or run without --tracker {tracker_name}") from None
             run_id = self._within_timeout(tracker_name, tracker, lambda t=tracker, r=run: t.start(r, self.log))
             continued = "continues" if run_id == resume_id else "started"
             self.log.info("tracker %s: %s run %s%s", tracker_name, continued, run_id,

@@ -148,34 +148,38 @@ def test_a_proxy_named_by_all_proxy_or_without_a_scheme_is_used_and_its_password
 
 
 class Loading(Slow):
-    """A client library that takes ``load_s`` to import (or is missing: ``missing``) and a server ``start_s`` to
+    """A client library that takes ``load_s`` to import (or fails to: ``broken``) and a server ``start_s`` to
     answer."""
 
-    load_s, start_s, missing = 0.0, 0.0, False
+    load_s, start_s, broken = 0.0, 0.0, None
 
     def load(self) -> None:
         time.sleep(self.load_s)
-        if self.missing:
-            raise ModuleNotFoundError("No module named 'loading'")
+        if self.broken is not None:
+            raise self.broken
 
     def start(self, run: TrackerRun, log: logging.Logger) -> str:
         time.sleep(self.start_s)
         return "loading-1"
 
 
-@pytest.mark.parametrize(("load_s", "start_s", "missing", "error"), [
-    (0.6, 0.0, False, None),  # a slow import is not the server's silence
-    (0.0, 0.6, False, "--tracker loading: no answer within 0.3 s; start the tracker or fix its address, raise "
-                      "--tracker-timeout-s, or run without --tracker loading"),
-    (0.0, 0.0, True, "--tracker loading needs its client library (No module named 'loading'); install it with pip "
-                     "install 'ddp-deploy[loading]'"),
+@pytest.mark.parametrize(("load_s", "start_s", "broken", "error"), [
+    (0.6, 0.0, None, None),  # a slow import is not the server's silence
+    (0.0, 0.6, None, "--tracker loading: no answer within 0.3 s; start the tracker or fix its address, raise "
+                     "--tracker-timeout-s, or run without --tracker loading"),
+    (0.0, 0.0, ModuleNotFoundError("No module named 'loading'"),
+     "--tracker loading needs its client library (No module named 'loading'); install it with pip install "
+     "'ddp-deploy[loading]'"),
+    (0.0, 0.0, TypeError("Descriptors cannot be created directly.\nIf this call came from a _pb2.py file"),
+     "--tracker loading: its client library fails to load (TypeError: Descriptors cannot be created directly.); "
+     "repair it (pip install 'ddp-deploy[loading]') or run without --tracker loading"),
 ])
-def test_only_the_trackers_answer_is_timed_not_its_import(slow, tmp_path, monkeypatch, load_s, start_s, missing,
+def test_only_the_trackers_answer_is_timed_not_its_import(slow, tmp_path, monkeypatch, load_s, start_s, broken,
                                                          error):
     TRACKERS.add("loading", Loading, "the test's own")
     monkeypatch.setattr(Loading, "load_s", load_s)
     monkeypatch.setattr(Loading, "start_s", start_s)
-    monkeypatch.setattr(Loading, "missing", missing)
+    monkeypatch.setattr(Loading, "broken", broken)
     tracking = Tracking(TrackingConfig(tracker="loading", tracker_timeout_s=0.3), tmp_path, True,
                         logging.getLogger("t"))
     if error is None:
