@@ -62,7 +62,7 @@ def run(ctx: Context) -> FigureResult:
         "ddp to fsdp": _phase(ctx, "resume", "fsdp", 2, plain, width, blocks),
         "fsdp to ddp": _phase(ctx, "resume", "ddp", 2, sharded, width, blocks),
         "reshard 2 to 3": _phase(ctx, "resume", "fsdp", 3, sharded, width, blocks),
-        # The counts at 8 ranks, on small tensors (8 processes on this machine's cores).
+        # The counts at many ranks (8, or 4 in quick mode), on small tensors: that many processes on these cores.
         f"save fsdp x{saved_by}": _phase(ctx, "save", "fsdp", saved_by, many, SMALL[0], SMALL[1]),
         reshard: _phase(ctx, "resume", "fsdp", resumed_by, many, SMALL[0], SMALL[1]),
     }
