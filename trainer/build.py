@@ -17,6 +17,9 @@ from trainer.checkpoint.parts import PartKind, RestoreContext, StatePart, StateP
 from trainer.checkpoint.shards import is_marker
 from trainer.config import Config
 from trainer.cores import usable_cores
+from trainer.data.shards import ShardedDataset, ShardedItems
+from trainer.data.shards.fetching import start_fetching
+from trainer.data.shards.sampler import BlockSampler, OrderSettings, ShardedDistributedSampler
 from trainer.distributed import Runtime, agreed
 from trainer.errors import TaskError, described
 from trainer.evaluation import MetricSet
@@ -98,13 +101,20 @@ def _loader(dataset: Dataset[Any], sampler: torch.utils.data.Sampler[int], batch
 
 def training_loader(dataset: Dataset[Any], world_size: int, rank: int, batch_size: int, num_workers: int = 0,
                     seed: int = 0, deterministic_items: bool = False, collate_fn: Callable[[Any], Any] | None = None,
-                    pin_memory: bool = False, where: str = "the training dataset"
+                    pin_memory: bool = False, where: str = "the training dataset",
+                    shard_order: OrderSettings | None = None
                     ) -> tuple[DataLoader[Any], ResumableDistributedSampler]:
     """The trainer's training loader over a map-style dataset, and its sampler (``set_epoch`` before each
-    epoch): one global order per epoch, resumable at any sample and world size, each item seeded."""
-    sampler = ResumableDistributedSampler(dataset, world_size, rank, seed, batch_size)
-    loader = _loader(SeededItems(dataset, seed, deterministic_items), sampler, batch_size, num_workers, seed,
-                     pin_memory, checked_collate(collate_fn, where))
+    epoch): one global order per epoch, resumable at any sample and world size, each item seeded. A sharded
+    dataset gets the order that is local in shards (trainer.data.shards.sampler)."""
+    if isinstance(dataset, ShardedDataset):
+        sampler: ResumableDistributedSampler = ShardedDistributedSampler(
+            dataset, world_size, rank, seed, batch_size, shard_order or OrderSettings(0, 1.0))
+        items: SeededItems = ShardedItems(dataset, seed, deterministic_items)
+    else:
+        sampler = ResumableDistributedSampler(dataset, world_size, rank, seed, batch_size)
+        items = SeededItems(dataset, seed, deterministic_items)
+    loader = _loader(items, sampler, batch_size, num_workers, seed, pin_memory, checked_collate(collate_fn, where))
     return loader, sampler
 
 
@@ -112,7 +122,12 @@ def evaluation_loader(dataset: Dataset[Any], world_size: int, rank: int, batch_s
                       seed: int = 0, deterministic_items: bool = False,
                       collate_fn: Callable[[Any], Any] | None = None, pin_memory: bool = False,
                       where: str = "the evaluation dataset") -> DataLoader[Any]:
-    """The trainer's evaluation loader: this rank's shard, every sample on exactly one rank, no padding."""
+    """The trainer's evaluation loader: this rank's shard, every sample on exactly one rank, no padding (of a sharded
+    dataset, one contiguous block per rank)."""
+    if isinstance(dataset, ShardedDataset):
+        return _loader(ShardedItems(dataset, seed, deterministic_items, epoch_offset=EVAL_EPOCH),
+                       BlockSampler(dataset, world_size, rank), batch_size, num_workers, seed, pin_memory,
+                       checked_collate(collate_fn, where))
     return _loader(SeededItems(dataset, seed, deterministic_items, epoch_offset=EVAL_EPOCH),
                    ShardSampler(dataset, world_size, rank), batch_size, num_workers, seed, pin_memory,
                    checked_collate(collate_fn, where))
@@ -159,10 +174,12 @@ def build_training(config: Config, task: RunTask, runtime: Runtime,
                  "used)", config.train.global_batch_size, batch, identity.world_size)
     train_loader, train_sampler = training_loader(
         train_set, identity.world_size, identity.rank, batch, workers, seed,
-        data.deterministic_items, data.collate_fn, pin, f"{where} training dataset")
+        data.deterministic_items, data.collate_fn, pin, f"{where} training dataset",
+        OrderSettings(config.data.shard_lanes, config.data.shard_window))
     eval_loader = evaluation_loader(eval_set, identity.world_size, identity.rank, config.train.eval_batch_size,
                                     workers, seed, data.deterministic_items, data.collate_fn, pin,
                                     f"{where} evaluation dataset")
+    start_fetching(config.data, runtime, train_loader, eval_loader)
 
     # The same seed on every rank gives every rank the same initial weights; then each rank's own
     # stream for anything random during training (dropout).
@@ -231,6 +248,8 @@ def build_training(config: Config, task: RunTask, runtime: Runtime,
     setup = TrainingSetup(task, instance, data, train_sampler, train_loader, eval_loader, wrapped, sync, optimizer,
                           schedule, scaler, config.optim.precision, device, tuning,
                           state_parts(unwrap(wrapped), optimizer, scaler))
+    if isinstance(train_sampler, ShardedDistributedSampler):  # the epoch in progress's order over the shards
+        setup.state.add(train_sampler.state_part())
     # A metric that cannot be reduced, or a monitored one that does not exist, fails now, not at evaluation.
     agreed(runtime, lambda: _check_monitor(task, setup.new_metrics()), TaskError)
     return setup

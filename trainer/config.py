@@ -31,10 +31,25 @@ class DataConfig:
         "one per two cores of the rank's share (at most 8)")
     max_train_samples: int = option(0, "use only the first N training samples (0: all)", resume=FLAG)
     max_test_samples: int = option(0, "use only the first N evaluation samples (0: all)")
+    shard_cache_dir: str = option("", "sharded datasets: the node-local folder for the pieces of shards being read "
+                                      "(default: ~/.cache/ddp-deploy/data/shards)")
+    shard_cache_gb: float = option(8.0, "sharded datasets: the most the node's ranks together hold in that folder; "
+                                        "pieces are fetched ahead within it and deleted once read")
+    shard_lanes: int = option(0, "sharded datasets: parts of the stream read side by side (0: auto, the smallest "
+                                 "multiple of the world size >= 12); each rank reads lanes/world-size of them, "
+                                 "each shard's samples on one rank where the world size divides the lanes")
+    shard_window: float = option(1.0, "sharded datasets: samples shuffled together within a lane, in shards' worth; "
+                                      "more mixes further and holds more in the cache")
+    shard_retries: int = option(6, "sharded datasets: attempts per request to the store before the run ends to "
+                                   "be restarted (exit 200); a missing or unreadable shard ends it at once (exit 2)")
 
     def __post_init__(self) -> None:
         check(self.num_workers == "auto" or (self.num_workers.isdigit()),
               f"--num-workers {self.num_workers!r}: auto or a number >= 0")
+        check(self.shard_cache_gb > 0, f"--shard-cache-gb must be > 0, got {self.shard_cache_gb}")
+        check(0 <= self.shard_lanes < 4096, f"--shard-lanes must be in 0..4095 (0: auto), got {self.shard_lanes}")
+        check(self.shard_window > 0, f"--shard-window must be > 0, got {self.shard_window}")
+        check(self.shard_retries >= 1, f"--shard-retries must be >= 1, got {self.shard_retries}")
         check(self.max_train_samples >= 0, "--max-train-samples must be >= 0")
         check(self.max_test_samples >= 0, "--max-test-samples must be >= 0")
 

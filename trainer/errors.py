@@ -8,7 +8,8 @@ retried forever, a preemption must be.
 from __future__ import annotations
 
 __all__ = ["EXIT_FAILURE", "EXIT_OK", "EXIT_PEER_LOST", "EXIT_PREEMPTED", "EXIT_RENDEZVOUS", "EXIT_USAGE",
-           "CheckpointError", "ConfigError", "DataError", "DeviceError", "LaunchEnvError", "OutOfMemory", "PeerLost",
+           "CheckpointError", "ConfigError", "DataError", "DataUnavailable",
+           "DeviceError", "LaunchEnvError", "OutOfMemory", "PeerLost",
            "Preempted", "RendezvousError", "StorageStalled", "TaskError", "TrackerError", "UserError", "described",
            "first_line"]
 
@@ -64,6 +65,13 @@ class RendezvousError(UserError):
 
 class DataError(UserError):
     """The dataset is missing, corrupt or unreadable."""
+
+
+class DataUnavailable(DataError):
+    """The data's store kept failing past the retries (throttling, 5xx, dropped connections): nothing is wrong
+    with the data, so the job ends to be restarted from its last checkpoint, not failed for good."""
+
+    exit_code = EXIT_PEER_LOST
 
 
 class CheckpointError(UserError):

@@ -22,6 +22,7 @@ from trainer.checkpoint.parts import RestoreContext, add_run_parts
 from trainer.checkpoint.reading import InvalidCheckpoint
 from trainer.checkpoint.schema import TaskRecord
 from trainer.config import Config
+from trainer.data.shards.fetching import stop_fetching
 from trainer.distributed import Runtime, agreed
 from trainer.errors import CheckpointError, OutOfMemory, OutputError, Preempted, first_line
 from trainer.evaluation import detached, evaluate
@@ -305,7 +306,7 @@ class Trainer:
 
     def _batch_order(self) -> list[list[int]]:
         sampler = self.setup.train_sampler
-        order = [key % len(sampler.dataset) for key in sampler]
+        order = sampler.indices()
         size = sampler.batch_size
         return [order[i:i + size] for i in range(0, len(order), size)]
 
@@ -319,6 +320,7 @@ class Trainer:
         self.profiler.finish()  # a run stopped inside the profiled steps (preempted, failed) keeps its trace
         for loader in (self.setup.train_loader, self.setup.eval_loader):
             stop_workers(loader)
+        stop_fetching(self.setup.train_loader, self.setup.eval_loader)
         self.metrics.close()
         if self._sample_log is not None:
             self._sample_log.close()

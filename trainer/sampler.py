@@ -87,6 +87,10 @@ class ResumableDistributedSampler(DistributedSampler):
         offset = self.epoch * len(self.dataset)
         return iter([offset + index for index in mine])
 
+    def indices(self) -> list[int]:
+        """This rank's dataset indices this epoch, in the order it trains them (the sample log's record)."""
+        return [key % len(self.dataset) for key in self]
+
     def __len__(self) -> int:
         return self.num_samples
 

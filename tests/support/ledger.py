@@ -70,3 +70,48 @@ class PacedLedgerTask(LedgerTask):
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         time.sleep(self.options.step_delay_s)
         return super().loss(outputs, targets)
+
+
+@dataclass
+class ShardLedgerOptions(LedgerOptions):
+    shards: str = option("", "the ledger's samples as shards (write_ledger_shards): a folder or URL",
+                         resume=ResumeRule.REFUSE)
+    step_delay_s: float = option(0.0, "seconds each loss call waits (a node killed mid-epoch fits)")
+
+
+def decode_ledger(members: dict[str, bytes]) -> tuple[torch.Tensor, float]:
+    return torch.tensor(int(members["idx"])), 0.0
+
+
+def write_ledger_shards(url: str, size: int, samples_per_shard: tuple[int, ...]) -> None:
+    """Sample i holds the number i; shards of the given sizes in turn (uneven, as a real writer's last ones are)."""
+    from trainer.data.shards.writer import ShardWriter
+
+    writer = ShardWriter(url, 1 << 30)
+    sample, shard = 0, 0
+    while sample < size:
+        for _ in range(min(samples_per_shard[shard % len(samples_per_shard)], size - sample)):
+            writer.add("train", f"{sample:06d}", {"idx": str(sample).encode()})
+            sample += 1
+        writer._flush("train")
+        shard += 1
+    for sample in range(8):
+        writer.add("eval", f"{sample:06d}", {"idx": str(sample).encode()})
+    writer.close({})
+
+
+class ShardLedgerTask(LedgerTask):
+    """The ledger, its samples streamed from shards (--shards URL): each sample's member .idx is its number."""
+
+    name = "shard-ledger"
+    Options = ShardLedgerOptions
+
+    def datasets(self, context: TaskContext) -> TaskData:
+        from trainer.data.shards import ShardedDataset
+
+        return TaskData(ShardedDataset(self.options.shards, "train", decode_ledger),
+                        ShardedDataset(self.options.shards, "eval", decode_ledger), deterministic_items=True)
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.options.step_delay_s)
+        return super().loss(outputs, targets)

@@ -21,6 +21,7 @@ import shutil
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import torch
@@ -60,26 +61,33 @@ class ImageFolderDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return self.image(index), self.labels[index]
 
     def image(self, index: int) -> torch.Tensor:
-        from PIL import Image, UnidentifiedImageError
+        pixels = decode_image(self.files[index], self.image_size, self.files[index])
+        return pixels if self.normalise_on_device else self.normalise(pixels)
 
-        path = self.files[index]
-        size = self.image_size
-        try:
-            with Image.open(path) as opened:
-                # JPEG can decode straight at a fraction of its size: far less work for large photos.
-                opened.draft("RGB", (size, size))
-                image = opened.convert("RGB")
-        except (OSError, UnidentifiedImageError, ValueError) as error:
-            raise DataError(f"{path}: not a readable image ({' '.join(str(error).split())[:200]}); replace or "
-                            f"remove the file") from None
-        width, height = image.size
+
+def decode_image(source: str | IO[bytes], size: int, where: str, mode: str = "RGB") -> torch.Tensor:
+    """An image file (a path or an open binary file) as a uint8 C,H,W tensor: the shorter side resized to ``size``,
+    then a centred square crop; ``mode`` "RGB" (3 channels) or "L" (1)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(source) as opened:
+            # JPEG can decode straight at a fraction of its size: far less work for large photos.
+            opened.draft(mode, (size, size))
+            image = opened.convert(mode)
+    except (OSError, UnidentifiedImageError, ValueError) as error:
+        raise DataError(f"{where}: not a readable image ({' '.join(str(error).split())[:200]}); replace or "
+                        f"remove the file") from None
+    width, height = image.size
+    if (width, height) != (size, size):
         scale = size / min(width, height)
         resized = (max(size, round(width * scale)), max(size, round(height * scale)))
         image = image.resize(resized, Image.Resampling.BILINEAR, reducing_gap=None)
         left, top = (resized[0] - size) // 2, (resized[1] - size) // 2
         image = image.crop((left, top, left + size, top + size))
-        pixels = torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1)
-        return pixels if self.normalise_on_device else self.normalise(pixels)
+    array = np.asarray(image, dtype=np.uint8).copy()
+    pixels = torch.from_numpy(array if array.ndim == 3 else array[:, :, None])
+    return pixels.permute(2, 0, 1)
 
 
 def load_imagefolder(root: Path, image_size: int, eval_fraction: float, seed: int

@@ -31,6 +31,8 @@ from trainer.data.locate import (
     is_url,
     local_filesystem,
 )
+from trainer.data.shards.dataset import ShardedDataset
+from trainer.data.shards.images import ImageSample, image_info
 from trainer.data.synthetic import cached_synthetic, make_synthetic
 from trainer.distributed import Runtime, agreed
 from trainer.errors import DataError
@@ -86,11 +88,32 @@ def _load_imagefolder(options: Any, runtime: Runtime, seed: int) -> Splits:
     return train, test, info
 
 
+def _load_shards(options: Any, runtime: Runtime, seed: int) -> Splits:
+    if not options.data_dir:
+        raise DataError("--dataset shards needs --data-dir: the folder or URL (s3://bucket/prefix) that holds "
+                        "index.json and the tar shards; write them with ddp-shard")
+
+    def open_splits() -> Splits:
+        train = ShardedDataset(options.data_dir, "train")
+        info = image_info(train, options.image_size)
+        decode = ImageSample(info.image_size[0], "L" if info.in_channels == 1 else "RGB")
+        train.decode = decode
+        return train, ShardedDataset(options.data_dir, "eval", decode), info
+
+    train, test, info = _agreed(runtime, open_splits)
+    if runtime.identity.is_main:
+        log.info("shards at %s: %d training samples in %d shards, %d evaluation samples, %d classes",
+                 train.store.shown, len(train), len(train.shards), len(test), info.num_classes)
+    return train, test, info
+
+
 DATASETS: Registry[DatasetLoader] = Registry("dataset", "--dataset")
 for _spec in SPECS.values():
     DATASETS.add(_spec.name, partial(_load_files, _spec), f"{_spec.name} files ({_spec.describe_files()})")
 DATASETS.add("synthetic", _load_synthetic, "generated images of any shape (--synthetic-*), learnable")
 DATASETS.add("imagefolder", _load_imagefolder, "one folder of JPEG/PNG images per class (local or a URL)")
+DATASETS.add("shards", _load_shards, "WebDataset tar shards (.jpg/.png + .cls) with an index, streamed from a folder "
+             "or URL (ddp-shard writes them)")
 
 
 def _prepare(options: Any, spec: DatasetSpec, data_dir: str, runtime: Runtime) -> Path:

@@ -13,6 +13,8 @@ from typing import Any
 from torch import Tensor, nn
 
 from trainer.data import DATASETS, ImageFolderDataset, ImageTensorDataset, collate_batch, load_datasets
+from trainer.data.shards import ShardedDataset
+from trainer.data.shards.images import image_normalise
 from trainer.errors import ConfigError
 from trainer.metrics import Accuracy
 from trainer.models import MODELS, build_model
@@ -74,7 +76,9 @@ class ImageClassification(Task[ClassificationOptions]):
         train, test, info = load_datasets(self.options, context.runtime, context.seed)
         in_memory = isinstance(train, ImageTensorDataset)
         on_device = None
-        if isinstance(train, ImageTensorDataset | ImageFolderDataset) and type(test) is type(train):
+        if isinstance(train, ShardedDataset):  # uint8 images, normalised on the device
+            on_device = image_normalise(train.info, info.in_channels)
+        elif isinstance(train, ImageTensorDataset | ImageFolderDataset) and type(test) is type(train):
             # uint8 images cross to the device and are normalised there, as a careful hand-written loop does (a
             # dataset registered in DATASETS by a user is taken as it comes).
             train, test = train.raw(), test.raw()

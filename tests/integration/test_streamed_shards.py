@@ -1,0 +1,94 @@
+"""Training from shards in a real S3-compatible server (moto, on loopback), with DataLoader workers, through a
+history of 2 ranks -> 3 ranks -> SIGKILL mid-epoch -> 3 ranks again -> 1 rank: the ledger task counts every sample
+of the epoch trained exactly once, and the history ends bitwise equal to the same epoch trained straight through
+at one rank (--global-batch-size makes every step the same samples at any world size). At a fixed world size each
+shard's samples are fetched by one rank only."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from devtools.processes import REPO_ROOT, clean_env, kill_session, kill_tree, torchrun, torchrun_command
+from tests.integration.test_elastic import checkpoint_folders
+from tests.support.ledger import write_ledger_shards
+from tests.support.ledger_checks import assert_each_sample_trained_once, ledger, segments
+from tests.support.s3_server import S3Server
+
+pytestmark = pytest.mark.slow
+
+SIZE, GLOBAL_BATCH = 150, 12  # 12 steps of 12 samples, then one of 6
+SHARD_SIZES = (7, 11, 5, 9)  # 20 shards of uneven sizes
+STEPS = [GLOBAL_BATCH] * (SIZE // GLOBAL_BATCH) + [SIZE % GLOBAL_BATCH]
+
+
+def ledger_args(data: str, output: Path, cache: Path, *extra: str) -> list[str]:
+    return ["--task", "tests.support.ledger:ShardLedgerTask", "--shards", data, "--train-size", str(SIZE),
+            "--global-batch-size", str(GLOBAL_BATCH), "--epochs", "1", "--optimizer", "sgd", "--momentum", "0",
+            "--lr", "1", "--schedule", "constant", "--progress", "off", "--no-tensorboard", "--num-workers", "2",
+            "--output-dir", str(output), "--shard-cache-dir", str(cache), "--job-id", "shard-ledger", *extra]
+
+
+def fetched(cache: Path) -> dict[str, set[tuple[int, int]]]:
+    """(shard, sample in it) of every sample each rank's training cache fetched, by folder (train-rankN)."""
+    samples: dict[str, set[tuple[int, int]]] = {}
+    for log in cache.glob("*/train-rank*/fetched.log"):
+        for line in log.read_text().splitlines():
+            _, shard, first, end, _ = line.split()
+            samples.setdefault(log.parent.name, set()).update((int(shard), i) for i in range(int(first), int(end)))
+    return samples
+
+
+def launch(nproc: int, args: list[str], env: dict[str, str]) -> str:
+    result = torchrun(args, nproc=nproc, env=env, timeout_s=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stderr
+
+
+def kill_after_checkpoint(nproc: int, args: list[str], env: dict[str, str], output: Path, step: int) -> str:
+    process = subprocess.Popen(torchrun_command(nproc, "trainer", args), env=clean_env(env), cwd=REPO_ROOT,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while max(checkpoint_folders(output).values(), default=0) < step:
+            assert process.poll() is None, process.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no checkpoint at the step to kill after"
+            time.sleep(0.2)
+    finally:
+        kill_tree(process.pid)  # the agent and its workers (torchrun starts them in sessions of their own)
+        kill_session(process)
+    return process.communicate()[1]
+
+
+def test_a_resized_and_killed_history_trains_every_streamed_sample_once_and_ends_bitwise(s3_env: S3Server,
+                                                                                         tmp_path: Path):
+    data = f"s3://{s3_env.new_bucket()}/ledger"
+    write_ledger_shards(data, SIZE, SHARD_SIZES)
+    env = s3_env.env
+
+    launch(1, ledger_args(data, tmp_path / "straight", tmp_path / "cache-straight"), env)
+    straight = ledger(tmp_path / "straight")
+
+    run = tmp_path / "resized"
+    logs = [launch(2, ledger_args(data, run, tmp_path / "cache-2", "--max-steps", "3"), env)]
+    logs.append(kill_after_checkpoint(3, ledger_args(data, run, tmp_path / "cache-3", "--checkpoint-every", "1",
+                                                     "--step-delay-s", "0.3"), env, run, step=6))
+    killed_at = max(checkpoint_folders(run).values())
+    assert 6 <= killed_at < 12, "killed mid-epoch"
+    logs.append(launch(3, ledger_args(data, run, tmp_path / "cache-3-again", "--max-steps", "9"), env))
+    logs.append(launch(1, ledger_args(data, run, tmp_path / "cache-1"), env))
+    assert segments(logs) == [(3, 3), (3, killed_at), (1, 9)]
+
+    trained = ledger(run)
+    assert_each_sample_trained_once(trained, STEPS)
+    assert torch.equal(trained, straight), "the history ends where the straight run does, bitwise"
+    assert_each_sample_trained_once(straight, STEPS)
+
+    # At 2 ranks from the epoch's start (12 lanes, 6 each), no sample was fetched by both ranks' caches.
+    by_rank = fetched(tmp_path / "cache-2")
+    assert sorted(by_rank) == ["train-rank0", "train-rank1"], by_rank.keys()
+    assert by_rank["train-rank0"] and not by_rank["train-rank0"] & by_rank["train-rank1"]

@@ -1,0 +1,139 @@
+"""The trainer's samplers over a sharded dataset: the same global positions as for map-style data, in an order
+that is local in shards (trainer.data.shards.order), and the fetching that follows them (trainer.data.shards.prefetch).
+
+What an epoch's order depends on besides (seed, epoch) is its lanes and window; both are fixed when the epoch
+starts (the lanes from the world size then, unless --shard-lanes names them) and saved in the checkpoint, so that
+a resume in the middle of an epoch, at any world size, continues that epoch's order. The next epoch takes the
+lanes of the world size it starts with.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from trainer.checkpoint.parts import RestoreContext, StatePart
+from trainer.data.shards.dataset import ShardedDataset, encode_key
+from trainer.data.shards.order import ShardOrder, auto_lanes
+from trainer.data.shards.prefetch import Prefetcher, bytes_open_at_once, rank_plan
+from trainer.errors import DataError
+from trainer.sampler import ResumableDistributedSampler
+
+__all__ = ["BlockSampler", "OrderSettings", "ShardedDistributedSampler"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OrderSettings:
+    lanes: int  # 0: auto_lanes(world size at the epoch's start)
+    window_shards: float  # a window's samples, in shards' worth
+
+
+class ShardedDistributedSampler(ResumableDistributedSampler):
+    def __init__(self, dataset: ShardedDataset, num_replicas: int, rank: int, seed: int, batch_size: int,
+                 settings: OrderSettings) -> None:
+        super().__init__(dataset, num_replicas, rank, seed, batch_size)
+        self.sharded = dataset
+        self.settings = settings
+        self.prefetcher: Prefetcher | None = None
+        self._saved: dict[str, int] | None = None  # the epoch in progress's order, from a checkpoint
+        self.lanes, self.window = self._fresh_parameters()
+
+    def _fresh_parameters(self) -> tuple[int, int]:
+        lanes = self.settings.lanes or auto_lanes(self.num_replicas)
+        window = max(1, round(self.settings.window_shards * self.sharded.mean_shard_samples))
+        return lanes, window
+
+    def set_epoch(self, epoch: int, start_sample: int = 0) -> None:
+        super().set_epoch(epoch, start_sample)
+        saved = self._saved
+        if saved is not None and saved["epoch"] == epoch:
+            self.lanes, self.window = saved["lanes"], saved["window"]
+        else:
+            self.lanes, self.window = self._fresh_parameters()
+        self._saved = {"epoch": epoch, "lanes": self.lanes, "window": self.window}
+
+    def order(self) -> ShardOrder:
+        return ShardOrder(self.sharded.counts, self.seed, self.epoch, self.lanes, self.window)
+
+    def _positions(self) -> Iterator[int]:
+        """This rank's positions, as ResumableDistributedSampler deals them (remaining[rank::W], then the
+        remainder's first sample as a placeholder where the last global batch holds nothing of this rank's)."""
+        size = len(self.dataset)
+        yield from range(self.start_sample + self.rank, size, self.num_replicas)
+        if self.start_sample < size and self.batch_shares()[-1][0] == 0:
+            yield self.start_sample
+
+    def __iter__(self) -> Iterator[int]:
+        size, prefetcher = len(self.dataset), self.prefetcher
+        if prefetcher is not None:
+            prefetcher.begin((self.epoch, self.lanes, self.window, self.start_sample),
+                             lambda: rank_plan(self.order(), self.start_sample, self.rank, self.num_replicas))
+        for k, position in enumerate(self._positions()):
+            if prefetcher is not None:
+                prefetcher.dispatched(k)
+            yield encode_key(self.epoch, self.lanes, self.window, position, size)
+
+    def indices(self) -> list[int]:
+        order = self.order()
+        return [order.sample(position) for position in self._positions()]
+
+    def epoch_order(self) -> list[int]:
+        order = self.order()
+        return [order.sample(position) for position in range(len(self.dataset))]
+
+    def bytes_needed(self, lag_samples: int) -> int:
+        """The most bytes this rank holds at once for the epoch about to start (shard sizes prorated)."""
+        plan = rank_plan(self.order(), self.start_sample, self.rank, self.num_replicas)
+        shards = self.sharded.shards
+        return bytes_open_at_once(plan, lag_samples, lambda window: sum(
+            shards[piece.shard].bytes * piece.samples // shards[piece.shard].samples for piece in window.pieces))
+
+    def state_part(self) -> StatePart:
+        """The epoch in progress's order in the checkpoint: a resume continues it whatever the world size."""
+        def capture() -> dict[str, int]:
+            return {"epoch": self.epoch, "lanes": self.lanes, "window": self.window}
+
+        def restore(saved: dict[str, int] | None, _: RestoreContext) -> None:
+            self._saved = None if saved is None else {key: int(saved[key]) for key in ("epoch", "lanes", "window")}
+
+        return StatePart("shard_order", capture, restore, version=1, upgrade=lambda _, __: None)
+
+
+class BlockSampler(torch.utils.data.Sampler[int]):
+    """Evaluation over a sharded dataset: rank r reads one contiguous block of the samples (every sample on exactly
+    one rank, no padding), so that it reads few shards, in order."""
+
+    def __init__(self, dataset: ShardedDataset, num_replicas: int, rank: int) -> None:
+        size = len(dataset)
+        self.first, self.end = rank * size // num_replicas, (rank + 1) * size // num_replicas
+        self.counts = dataset.counts
+        self.prefetcher: Prefetcher | None = None
+
+    def __iter__(self) -> Iterator[int]:
+        prefetcher = self.prefetcher
+        if prefetcher is not None:
+            prefetcher.begin(("eval", self.first), lambda: [
+                window for window in rank_plan(ShardOrder(self.counts, 0, 0, 0, 1), self.first, 0, 1)
+                if window.first < self.end - self.first])
+        for k, sample in enumerate(range(self.first, self.end)):
+            if prefetcher is not None:
+                prefetcher.dispatched(k)
+            yield sample
+
+    def __len__(self) -> int:
+        return self.end - self.first
+
+
+def check_cache_bound(needed: int, bound: int, sampler: ShardedDistributedSampler, flag_value: float) -> None:
+    if needed > bound:
+        raise DataError(
+            f"--shard-cache-gb {flag_value:g}: this rank needs {needed / 1e9:.2f} GB of shards open at once "
+            f"({sampler.lanes} lanes over {sampler.num_replicas} rank(s), windows of {sampler.window} samples), more "
+            f"than its share of the bound ({bound / 1e9:.2f} GB); raise --shard-cache-gb, or lower --shard-window "
+            f"or --shard-lanes")
+
