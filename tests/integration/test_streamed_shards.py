@@ -7,17 +7,20 @@ shard's samples are fetched by one rank only."""
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from devtools.processes import REPO_ROOT, clean_env, kill_session, kill_tree, torchrun, torchrun_command
+from devtools.processes import REPO_ROOT, clean_env, kill_session, kill_tree, run, torchrun, torchrun_command
 from tests.integration.test_elastic import checkpoint_folders
-from tests.support.ledger import write_ledger_shards
+from tests.support.ledger import decode_ledger, write_ledger_shards
 from tests.support.ledger_checks import assert_each_sample_trained_once, ledger, segments
 from tests.support.s3_server import S3Server
+from trainer.data.shards import ShardedDataset, ShardIndex, ShardOrder, auto_lanes
+from trainer.errors import EXIT_USAGE
 
 pytestmark = pytest.mark.slow
 
@@ -92,3 +95,26 @@ def test_a_resized_and_killed_history_trains_every_streamed_sample_once_and_ends
     by_rank = fetched(tmp_path / "cache-2")
     assert sorted(by_rank) == ["train-rank0", "train-rank1"], by_rank.keys()
     assert by_rank["train-rank0"] and not by_rank["train-rank0"] & by_rank["train-rank1"]
+
+
+def test_a_sample_corrupt_mid_epoch_ends_the_run_in_one_line_naming_it(tmp_path: Path):
+    """The epoch's last sample damaged on the store (same size, one byte flipped): the first batches train, the
+    loader's worker meets it at the end, fetches its piece twice, and the run ends with exit 2 naming the shard
+    and the sample, no traceback."""
+    data = tmp_path / "data"
+    write_ledger_shards(str(data), SIZE, SHARD_SIZES)
+    dataset = ShardedDataset(str(data), "train", decode_ledger)
+    lanes, window = auto_lanes(1), round(dataset.mean_shard_samples)
+    last = ShardOrder(dataset.counts, 0, 0, lanes, window).sample(SIZE - 1)
+    shard = next(index for index, start in enumerate(dataset.starts) if dataset.starts[index + 1] > last)
+    span = ShardIndex.from_json((data / dataset.shards[shard].sidecar).read_bytes(), "").samples[
+        last - dataset.starts[shard]]
+    damaged = bytearray((data / dataset.shards[shard].name).read_bytes())
+    damaged[span.members[0][1]] ^= 0xFF
+    (data / dataset.shards[shard].name).write_bytes(bytes(damaged))
+
+    result = run([sys.executable, "-m", "trainer", *ledger_args(str(data), tmp_path / "run", tmp_path / "cache")])
+    assert result.returncode == EXIT_USAGE, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"{dataset.shards[shard].name}: sample {span.key}" in errors[0] and "the shard is corrupt" in errors[0]

@@ -35,7 +35,7 @@ from trainer.data.shards.cache import PieceCache, claim_folder
 from trainer.data.shards.layout import INDEX_NAME, DatasetIndex, ShardEntry
 from trainer.data.shards.order import Piece, ShardOrder
 from trainer.data.shards.store import RetryPolicy, ShardStore
-from trainer.errors import DataError
+from trainer.errors import DataError, described
 from trainer.items import Fetched
 from trainer.rng import isolated, seed_item
 from trainer.sampler import SeededItems
@@ -143,6 +143,10 @@ class ShardedDataset(Dataset[Any]):
             return self.decode(members)
         except DataError as error:
             raise DataError(f"{self.store.where(self.shards[shard].name)}: sample {key}: {error}") from None
+        except Exception as error:  # noqa: BLE001 - a user's decode: one line that names the sample, not a traceback
+            raise DataError(f"{self.store.where(self.shards[shard].name)}: sample {key}: decode "
+                            f"({getattr(self.decode, '__qualname__', type(self.decode).__name__)}) raised "
+                            f"{described(error)}") from None
 
 
 # A key packs the order's parameters with the position, so that a DataLoader worker (a process that lives across

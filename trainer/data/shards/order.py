@@ -20,6 +20,7 @@ shards' sample counts (O(shards)) and the permutation of the windows in use (O(w
 from __future__ import annotations
 
 import bisect
+from array import array
 import hashlib
 import math
 from collections import OrderedDict
@@ -46,10 +47,11 @@ def _seed(*values: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def _permutation(size: int, *seed: int) -> list[int]:
+def _permutation(size: int, *seed: int) -> Sequence[int]:
+    """A seeded permutation of range(size), 8 bytes an element (a window's can be a million samples)."""
     generator = torch.Generator()
     generator.manual_seed(_seed(*seed))
-    return torch.randperm(size, generator=generator).tolist()
+    return array("q", torch.randperm(size, generator=generator).numpy().tobytes())
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ class ShardOrder:
     _shard_order: list[int] = field(init=False, repr=False)
     _stream_starts: list[int] = field(init=False, repr=False)  # first stream position of each shard, stream order
     _sample_starts: list[int] = field(init=False, repr=False)  # first sample id of each shard, index order
-    _permutations: OrderedDict[tuple[int, int], list[int]] = field(init=False, repr=False)
+    _permutations: OrderedDict[tuple[int, int], Sequence[int]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.window < 1:
@@ -85,7 +87,7 @@ class ShardOrder:
         self._sample_starts = _starts(self.counts)
         self.size = self._sample_starts[-1]
         shards = len(self.counts)
-        self._shard_order = list(range(shards)) if self.lanes == 0 else _permutation(shards, self.seed, self.epoch)
+        self._shard_order = list(range(shards)) if self.lanes == 0 else list(_permutation(shards, self.seed, self.epoch))
         self._stream_starts = _starts([self.counts[shard] for shard in self._shard_order])
         self._permutations = OrderedDict()
         if self.lanes:
@@ -147,7 +149,7 @@ class ShardOrder:
     def window_size(self, lane: int, window: int) -> int:
         return min(self.window, self.lane_length(lane) - window * self.window)
 
-    def _window_permutation(self, lane: int, window: int) -> list[int]:
+    def _window_permutation(self, lane: int, window: int) -> Sequence[int]:
         key = (lane, window)
         permutation = self._permutations.get(key)
         if permutation is None:

@@ -69,6 +69,8 @@ class ShardStore:
                                 f"package (s3fs for s3://, gcsfs for gs://) or use a local folder") from None
             self._root = self._root.rstrip("/")
             self._pid = os.getpid()
+            if hasattr(self._fs, "retries"):  # s3fs retries 5 times by itself, each up to the timeout: ours bound it
+                self._fs.retries = 1
         return self._fs, self._root
 
     def where(self, name: str) -> str:
