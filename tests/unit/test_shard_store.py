@@ -19,7 +19,7 @@ from tests.support.s3_server import S3Server
 from trainer.data.shards import RetryPolicy, ShardedDataset
 from trainer.data.shards.cli import main as ddp_shard
 from trainer.data.shards.order import Piece
-from trainer.data.shards.writer import ShardWriter, index_shards, write_dataset
+from trainer.data.shards.writer import ShardWriter, write_dataset
 from trainer.errors import EXIT_PEER_LOST, DataError, DataUnavailable
 
 
@@ -99,14 +99,15 @@ def test_a_shard_deleted_truncated_or_corrupted_mid_epoch_names_it(tmp_path):
         dataset.fetch(0, Piece(0, 0, 7))
     shard = data / "train-000001.tar"
     shard.write_bytes(shard.read_bytes()[:2048])
-    with pytest.raises(DataError, match=r"train-000001.tar: truncated: 2048 of the 14336 bytes at offset 0 that its index lists"):
+    with pytest.raises(DataError, match=r"train-000001.tar: truncated: 2048 of the 14336 bytes at offset 0 that "
+                                        r"its index lists"):
         dataset.fetch(8, Piece(1, 0, 7))
     shard = data / "train-000002.tar"
     damaged = bytearray(shard.read_bytes())
     damaged[3 * 1024 + 1] ^= 0xFF
     shard.write_bytes(bytes(damaged))
-    with pytest.raises(DataError, match=r"train-000002.tar: sample 0015 \(bytes 2048..4096\) does not match its CRC-32 .* fetched "
-                                        r"twice: the shard is corrupt"):
+    with pytest.raises(DataError, match=r"train-000002.tar: sample 0015 \(bytes 2048..4096\) does not match its "
+                                        r"CRC-32 .* fetched twice: the shard is corrupt"):
         dataset.fetch(16, Piece(2, 0, 7))
     assert dataset.fetch(22, Piece(3, 0, 7)) == 22  # the others read on
 

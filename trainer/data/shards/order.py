@@ -20,9 +20,9 @@ shards' sample counts (O(shards)) and the permutation of the windows in use (O(w
 from __future__ import annotations
 
 import bisect
-from array import array
 import hashlib
 import math
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -87,7 +87,8 @@ class ShardOrder:
         self._sample_starts = _starts(self.counts)
         self.size = self._sample_starts[-1]
         shards = len(self.counts)
-        self._shard_order = list(range(shards)) if self.lanes == 0 else list(_permutation(shards, self.seed, self.epoch))
+        self._shard_order = (list(range(shards)) if self.lanes == 0
+                             else list(_permutation(shards, self.seed, self.epoch)))
         self._stream_starts = _starts([self.counts[shard] for shard in self._shard_order])
         self._permutations = OrderedDict()
         if self.lanes:
