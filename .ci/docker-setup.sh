@@ -196,7 +196,7 @@ SETTINGS
 export_build_settings() {
   local name value
   while IFS='=' read -r name value; do
-    [[ $name == BUILD_* ]] && export "$name=$value"
+    if [[ $name == BUILD_* ]]; then export "$name=$value"; fi
   done <"$BUILD_SETTINGS"
 }
 

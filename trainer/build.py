@@ -248,8 +248,8 @@ def build_training(config: Config, task: RunTask, runtime: Runtime,
     setup = TrainingSetup(task, instance, data, train_sampler, train_loader, eval_loader, wrapped, sync, optimizer,
                           schedule, scaler, config.optim.precision, device, tuning,
                           state_parts(unwrap(wrapped), optimizer, scaler))
-    if isinstance(train_sampler, ShardedDistributedSampler):  # the epoch in progress's order over the shards
-        setup.state.add(train_sampler.state_part())
+    if isinstance(train_sampler, ShardedDistributedSampler):
+        setup.state.add(shard_order_part(train_sampler))
     # A metric that cannot be reduced, or a monitored one that does not exist, fails now, not at evaluation.
     agreed(runtime, lambda: _check_monitor(task, setup.new_metrics()), TaskError)
     return setup
@@ -300,6 +300,13 @@ def _optimizer_template(saved: Any, model: nn.Module) -> dict[str, Any]:
     return {"state": {name: {key: parameters[name] for key, value in entry.items()
                              if shaped_like(value, parameters[name])}
                       for name, entry in state.items() if name in parameters and isinstance(entry, dict)}}
+
+
+def shard_order_part(sampler: ShardedDistributedSampler) -> StatePart:
+    """The epoch in progress's order over a sharded dataset (its lanes and window), so that a resume at any world size
+    continues it; a checkpoint without the part (version 0) lets the epoch take this run's."""
+    return StatePart("shard_order", sampler.order_state, lambda saved, _: sampler.restore_order_state(saved),
+                     version=1, upgrade=lambda _, __: None)
 
 
 def rng_part() -> StatePart:

@@ -11,11 +11,13 @@ import io
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 import tarfile
 import threading
+import tomllib
 import urllib.parse
 import urllib.request
 import uuid
@@ -30,13 +32,17 @@ from devtools.processes import REPO_ROOT, free_port
 from tests.support.checkpoint_reading import newest_checkpoint, summary
 from tests.support.ledger_checks import assert_each_sample_trained_once, ledger, segments
 from tests.support.preconditions import unavailable
+from trainer.cli import parse_config
 from trainer.launchers import ELASTIC_AGENT_ENV
 
 pytestmark = pytest.mark.slow
 
 IMAGE = os.environ.get("IMAGE", "ddp-deploy:latest")
 EXAMPLE_IMAGE = os.environ.get("EXAMPLE_IMAGE", "ddp-forecast:latest")  # examples/forecast/Dockerfile
-DOCKERFILES = [REPO_ROOT / "docker" / "Dockerfile", REPO_ROOT / "examples" / "forecast" / "Dockerfile"]
+S3_SERVER_IMAGE = os.environ.get("S3_SERVER_IMAGE", "ddp-deploy-s3-server:latest")  # docker/s3-server
+DOCKERFILES = [REPO_ROOT / "docker" / "Dockerfile", REPO_ROOT / "examples" / "forecast" / "Dockerfile",
+               REPO_ROOT / "docker" / "s3-server" / "Dockerfile"]
+COMPOSE_FILES = ("compose.yaml", "compose.tracking.yaml", "compose.shards.yaml")
 RUN_DIR = "/workspace/runs/compose"  # --output-dir runs/${RUN_NAME:-compose} under the image's WORKDIR
 # Fashion-MNIST shipped in the package: 2 nodes x 2 ranks x 32 samples, 16 steps per epoch.
 SHORT_RUN = {"NODES": "2", "RANKS_PER_NODE": "2", "DATASET": "fashion-mnist", "EPOCHS": "1",
@@ -241,17 +247,53 @@ def test_the_tracking_override_runs_an_mlflow_server_the_nodes_reach_by_name(tmp
     assert "mlflow" not in Project(tmp_path, {}).rendered()["services"], "compose.yaml alone has no server"
 
 
+SHARDS_URL = "s3://shards/fashion-mnist"  # where compose.shards.yaml's writer puts the shards and its nodes read them
+
+
+def test_the_shards_override_gives_the_nodes_a_store_its_shards_and_a_cache_of_their_own(tmp_path):
+    compose_available()
+    project = Project(tmp_path, {"BUILD_EXTRAS": "mlflow"})
+    project.files.append(REPO_ROOT / "compose.shards.yaml")
+    services = project.rendered()["services"]
+    node, writer = services["node"], services["write-shards"]
+    assert node["build"]["args"]["EXTRAS"] == "mlflow,s3", "s3fs besides the extras asked for"
+    # What each container runs: compose.yaml's command with the override's flags after it, as ddp-train reads them.
+    shell, dash_c, script, _ = node["entrypoint"]
+    script = script.replace("$$", "$")  # as rendered: escaped, a literal $ in the container
+    assert (shell, dash_c) == ("sh", "-c") and script.startswith('exec "$@" ')
+    argv = node["command"] + shlex.split(script.removeprefix('exec "$@" '))
+    config, task = parse_config(argv[argv.index("ddp-train") + 1:])
+    assert (task.options.dataset, task.options.data_dir) == ("shards", SHARDS_URL)
+    assert f"--output={SHARDS_URL}" in writer["command"][-1].split()
+    # The cache: a tmpfs per container (two nodes' ranks have the same local ranks), larger than the bound.
+    (cache,) = [mount for mount in node["volumes"] if mount["target"] == config.data.shard_cache_dir]
+    assert cache["type"] == "tmpfs" and int(cache["tmpfs"]["size"]) > config.data.shard_cache_gb * 1e9
+    endpoint = urllib.parse.urlsplit(node["environment"]["AWS_ENDPOINT_URL"])
+    assert endpoint.hostname == "s3" and node["environment"] == {**node["environment"], **writer["environment"]}
+    assert node["depends_on"]["write-shards"]["condition"] == "service_completed_successfully"
+    assert writer["depends_on"]["s3"]["condition"] == "service_healthy"
+    assert "ports" not in services["s3"], "nothing is published to the host"
+    # The server is the tests' own: the same moto as the dev extra.
+    pinned = {re.split(r"[=<>\[]", line)[0]: line for line in
+              tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]}
+    for line in (REPO_ROOT / "docker" / "s3-server" / "requirements.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            assert pinned.get(re.split(r"[=<>\[]", line)[0]) == line, line
+
+
 def test_env_example_lists_every_compose_setting_with_its_default(tmp_path):
     compose_available()
     example = REPO_ROOT / ".env.example"
-    listed = {line.split("=", 1)[0] for line in example.read_text().splitlines() if re.match(r"[A-Z_]+=", line)}
-    used = {name for file in ("compose.yaml", "compose.tracking.yaml")
-            for name in re.findall(r"\$\{([A-Z_]+)", (REPO_ROOT / file).read_text())} - {"COMPOSE_PROJECT_NAME"}
+    listed = {line.split("=", 1)[0] for line in example.read_text().splitlines() if re.match(r"[A-Z0-9_]+=", line)}
+    used = {name for file in COMPOSE_FILES
+            for name in re.findall(r"\$\{([A-Z0-9_]+)", (REPO_ROOT / file).read_text())} - {"COMPOSE_PROJECT_NAME"}
     assert listed == used
-    project = Project(tmp_path, {})
-    defaults = project.rendered()
-    project.env_file = example
-    assert project.rendered() == defaults
+    for override in (None, *COMPOSE_FILES[1:]):
+        project = Project(tmp_path, {})
+        project.files += [REPO_ROOT / override] if override else []
+        defaults = project.rendered()
+        project.env_file = example
+        assert project.rendered() == defaults, override
 
 
 # --- containers, for real (needs the engine and the image) -------------------------------------------------
@@ -492,6 +534,30 @@ def test_the_example_task_trains_under_compose(how, project, tmp_path):
     final = summary(project.copy_runs(tmp_path))
     assert (final["task"], final["world_size"], final["test_samples"]) == ("forecast", 2, 128)
     assert f"final test mae {final['test_mae']:.4f}, r2 {final['test_r2']:.4f}" in result.stdout
+
+
+@pytest.mark.docker
+def test_the_shards_override_trains_every_node_from_shards_written_into_an_s3_server_beside_them(project, tmp_path):
+    if docker("image", "inspect", S3_SERVER_IMAGE).returncode != 0:
+        unavailable(f"the image {S3_SERVER_IMAGE} is not built (bash .ci/docker-setup.sh builds it)")
+    if docker("run", "--rm", IMAGE, "python3", "-c", "import s3fs").returncode != 0:
+        unavailable(f"the image {IMAGE} has no s3fs: build it with BUILD_EXTRAS=s3 (.ci/docker-setup.sh does)")
+    project.files.append(REPO_ROOT / "compose.shards.yaml")
+    # Detached: the server runs until `down`, so an attached `up` would not return when the nodes are done.
+    project.start(**SHORT_RUN)
+    for index in (1, 2):
+        assert project.wait(project.container(index), timeout_s=RUN_TIMEOUT_S) == 0, project.logs()[-6000:]
+    logs = project.logs()
+    written = re.search(rf"{SHARDS_URL}: train: 5000 samples in (\d+) shards", logs)
+    assert written and int(written.group(1)) > 1, logs[-6000:]
+    assert f"shards at {SHARDS_URL}: " in logs, logs[-6000:]  # the nodes trained from the store
+    final = summary(project.copy_runs(tmp_path))
+    assert f"final test accuracy {final['test_accuracy']:.4f}" in logs
+    assert (final["world_size"], final["global_step"], final["test_samples"]) == (4, 2048 // (4 * 32), 1000)
+    assert final["test_accuracy"] > 0.5, "ten classes: chance is 0.1"
+    # Read from the server a piece at a time: range requests of the shards.
+    server = project.compose("logs", "--no-color", "s3", timeout_s=60).stdout
+    assert re.search(r'"GET /shards/fashion-mnist/[^ ]+\.tar HTTP/1\.1" 206', server), server[-3000:]
 
 
 # --- make push: to a registry, tagged with the version and the commit ----------------------------------------

@@ -52,8 +52,9 @@ def job_of(source: str) -> Obj:
 
 
 def trainer_config(source: str, plan: PodPlan, tmp_path: Path) -> tuple[Config, RunTask]:
-    """The trainer's config and task as the pod's command would read them from the mounted ConfigMap."""
-    args = plan.container["args"]
+    """The trainer's config and task as the pod's command would read them from the mounted ConfigMap: the flags
+    from --config on, in the command (a TrainJob's) or its args (a PyTorchJob's)."""
+    args = [*plan.container.get("command", []), *plan.container.get("args", [])]
     mount_path = Path(args[args.index("--config") + 1])
     volumes = {v["name"]: v for v in plan.template["spec"]["volumes"]}
     for mount in plan.container["volumeMounts"]:
@@ -266,6 +267,52 @@ def test_the_tracking_overlay_sends_rank_0_to_an_mlflow_server_that_accepts_its_
     assert server["spec"]["replicas"] == 1 and server["spec"]["strategy"]["type"] == "Recreate", "one SQLite writer"
 
 
+# The PyTorchJob and the TrainJob with their data in an object store, and the job each one changes.
+STREAMED_DATA = {"k8s/overlays/streamed-data": "k8s/base", "k8s/overlays/trainjob-streamed-data": "k8s/trainer-v2"}
+DATA_SETTINGS = {"dataset", "data_dir", "shard_cache_dir", "shard_cache_gb"}
+AWS_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")
+
+
+def plans_of(source: str) -> list[PodPlan]:
+    """Every pod of the source's job, a PyTorchJob's or a TrainJob's, with what its operator gives it."""
+    if source in TRAINJOB_SOURCES:
+        (trainjob,) = of_kind(render(source), "TrainJob")
+        return trainer_v2_pods(trainjob)
+    return pod_plans(job_of(source))
+
+
+@pytest.mark.parametrize(("source", "base"), STREAMED_DATA.items())
+def test_the_streamed_data_overlays_read_shards_from_the_store_with_optional_credentials_and_a_bounded_cache(
+        source, base, tmp_path):
+    plans = plans_of(source)
+    # Each pod's command, parsed as ddp-train parses it with the mounted config: shards from an s3:// prefix.
+    configs = [layout(*trainer_config(source, plan, tmp_path)) for plan in plans]
+    settings = {(config["task"]["dataset"], config["task"]["data_dir"], config["data"]["shard_cache_dir"],
+                 config["data"]["shard_cache_gb"]) for config in configs}
+    ((dataset, url, cache_dir, cache_gb),) = settings  # one for every pod
+    assert dataset == "shards" and url.startswith("s3://")
+    plain = layout(*trainer_config(base, plans_of(base)[0], tmp_path))
+
+    def other_settings(config: dict) -> dict:
+        return {section: {name: value for name, value in values.items() if name not in DATA_SETTINGS}
+                for section, values in config.items()}
+    assert other_settings(configs[0]) == other_settings(plain), "the job it changes, its data streamed"
+    for plan in plans:
+        env = {item["name"]: item for item in plan.container["env"]}
+        # From a Secret, never the config or the command line; optional: pods with access of their own (IRSA,
+        # Workload Identity) and stores without an endpoint or region of their own need no Secret or key.
+        for name in AWS_VARIABLES:
+            assert env[name]["valueFrom"]["secretKeyRef"] == {"name": "data-credentials", "key": name,
+                                                              "optional": True}, plan.name
+        volumes = {volume["name"]: volume for volume in plan.template["spec"]["volumes"]}
+        (mount,) = [mount for mount in plan.container["volumeMounts"] if mount["mountPath"] == cache_dir]
+        cache = volumes[mount["name"]]["emptyDir"]
+        assert "medium" not in cache, "the cache is on the node's disk, not in the pod's memory"
+        size = int(cache["sizeLimit"].removesuffix("Gi")) * 2**30
+        assert 1.1 * cache_gb * 1e9 <= size <= 1.5 * cache_gb * 1e9, "--shard-cache-gb and some headroom"
+        assert plan.container["resources"]["requests"]["ephemeral-storage"] == cache["sizeLimit"], "scheduled to fit"
+
+
 def test_elastic_job_joins_a_c10d_rendezvous_that_closes_when_all_workers_are_in():
     job = job_of("k8s/overlays/elastic")
     spec = job["spec"]
@@ -356,6 +403,7 @@ def test_make_k8s_image_points_every_manifest_and_overlay_at_the_registry(k8s_co
     assert changed == {"k8s/components/image/kustomization.yaml", "k8s/pytorchjob.yaml"}
     expected = {PLAIN_DIR: {cpu}, "k8s/base": {cpu}, "k8s/overlays/elastic": {cpu}, "k8s/trainer-v2": {cpu},
                 "k8s/overlays/trainjob-elastic": {cpu}, "k8s/overlays/sharded": {cpu}, "k8s/overlays/tracking": {cpu},
+                "k8s/overlays/streamed-data": {cpu}, "k8s/overlays/trainjob-streamed-data": {cpu},
                 "k8s/overlays/gpu-single-node": {cuda}, "k8s/overlays/gpu-multi-node": {cuda},
                 # Local images by design: the one kind loads onto its node, and the example's derived image.
                 "k8s/overlays/kind": {"ddp-deploy:latest"}, "k8s/overlays/example": {"ddp-forecast:latest"}}

@@ -22,9 +22,11 @@ KUBECTL = BIN_DIR / "kubectl"
 PLAIN_DIR = "k8s"
 KUSTOMIZATIONS = ("k8s/base", "k8s/overlays/kind", "k8s/overlays/elastic", "k8s/overlays/gpu-single-node",
                   "k8s/overlays/gpu-multi-node", "k8s/overlays/example", "k8s/overlays/sharded",
-                  "k8s/overlays/tracking", "k8s/trainer-v2", "k8s/overlays/trainjob-elastic")
+                  "k8s/overlays/tracking", "k8s/overlays/streamed-data", "k8s/trainer-v2",
+                  "k8s/overlays/trainjob-elastic", "k8s/overlays/trainjob-streamed-data")
 SOURCES = (PLAIN_DIR, *KUSTOMIZATIONS)
-TRAINJOB_SOURCES = ("k8s/trainer-v2", "k8s/overlays/trainjob-elastic")  # the rest hold a PyTorchJob
+TRAINJOB_SOURCES = ("k8s/trainer-v2", "k8s/overlays/trainjob-elastic",  # the rest hold a PyTorchJob
+                    "k8s/overlays/trainjob-streamed-data")
 
 Obj = dict[str, Any]
 

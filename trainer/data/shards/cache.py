@@ -92,6 +92,7 @@ class PieceCache:
         if data is None or zlib.crc32(data) != entry.sidecar_crc32:
             data = self._fetch_checked_sidecar(entry)
             self._write(local, data, f"the index of shard {entry.name}")
+            self._record(f"pid{os.getpid()} {shard} -1 -1 {len(data)}")
         index = ShardIndex.from_json(data, self.store.where(entry.sidecar))
         if len(index.samples) < entry.samples or index.bytes != entry.bytes:
             raise DataError(f"{self.store.where(entry.sidecar)}: {len(index.samples)} samples and {index.bytes} bytes, "
@@ -145,9 +146,13 @@ class PieceCache:
             log.warning("%s: sample %s arrived damaged; fetching its piece again", self.store.where(entry.name),
                         bad.key)
         self._write(path, data, f"shard {entry.name}")
+        self._record(f"{who} {piece.shard} {piece.first} {piece.end} {len(data)}")
+
+    def _record(self, line: str) -> None:
+        """A fetch in fetched.log: WHO SHARD FIRST END BYTES (FIRST = END = -1: the shard's own index)."""
         try:
             with open(self.folder / FETCH_LOG, "a") as record:  # one write per line: appends never interleave
-                record.write(f"{who} {piece.shard} {piece.first} {piece.end} {len(data)}\n")
+                record.write(line + "\n")
         except OSError:
             pass  # the record is for the figures; the piece is in place
 
@@ -166,6 +171,10 @@ class PieceCache:
                                 f"the disk's free space, or set --shard-cache-dir to a larger disk") from None
             raise DataError(f"the shard cache {self.folder}: cannot write {path.name} ({error.strerror or error}); "
                             f"set --shard-cache-dir to a writable folder") from None
+
+    def evict_index(self, shard: int) -> None:
+        """The shard's index file, once no piece of it is held (a later piece fetches it again)."""
+        (self.folder / f"{shard:06d}.idx.json").unlink(missing_ok=True)
 
     def evict(self, piece: Piece) -> None:
         path = self.path(piece)

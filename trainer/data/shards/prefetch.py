@@ -103,6 +103,7 @@ class Prefetcher:
         self._stopped = False
         self.error: BaseException | None = None
         self.peak_bytes = 0
+        self._evicted_shards: set[int] = set()
         self._thread: threading.Thread | None = None
 
     def begin(self, key: object, make_plan: Callable[[], list[PlannedWindow]]) -> None:
@@ -144,16 +145,21 @@ class Prefetcher:
                     for window, _ in held.values():
                         self._evict(window)
                     held.clear()
+                    self._evict_indexes(held)
                     generation, plan, fetched_to = self._generation, self._plan, 0
                 read_before = self._dispatched - self.lag_samples
-            for index in [index for index, (window, _) in held.items() if window.last < read_before]:
+            done = [index for index, (window, _) in held.items() if window.last < read_before]
+            for index in done:
                 self._evict(held.pop(index)[0])
+            if done:
+                self._evict_indexes(held)
             progressed = False
-            while fetched_to < len(plan) and self.error is None:
+            while fetched_to < len(plan):
                 window = plan[fetched_to]
                 if window.last < read_before:  # already read (fetched by the workers themselves): skip it
                     fetched_to += 1
                     continue
+                size = 0
                 try:
                     size = sum(self.cache.piece_bytes(piece) for piece in window.pieces)
                     held_bytes = sum(size for _, size in held.values())
@@ -162,10 +168,12 @@ class Prefetcher:
                     for piece in window.pieces:
                         self.cache.ensure(piece, self.who)
                 except (DataError, OSError) as error:
+                    # Held all the same, so that what a worker fetches of it is deleted in turn; the worker that
+                    # reads it meets the error itself and ends the run where the loop sees it.
                     self.error = error
-                    log.warning("%s: prefetching stopped (%s); the loader's workers fetch what they need",
+                    log.warning("%s: prefetching a window failed (%s); the loader's workers fetch it themselves",
                                 self.who, described(error))
-                    break
+                    held_bytes = sum(size for _, size in held.values())
                 held[fetched_to] = (window, size)
                 self.peak_bytes = max(self.peak_bytes, held_bytes + size)
                 fetched_to += 1
@@ -179,7 +187,17 @@ class Prefetcher:
                         self._wake.wait(timeout=1.0)
         for window, _ in held.values():
             self._evict(window)
+        self._evict_indexes({})
 
     def _evict(self, window: PlannedWindow) -> None:
         for piece in window.pieces:
             self.cache.evict(piece)
+        self._evicted_shards.update(piece.shard for piece in window.pieces)
+
+    def _evict_indexes(self, held: dict[int, tuple[PlannedWindow, int]]) -> None:
+        """The shard indexes of evicted pieces that no held window reads: the cache holds O(open windows), never
+        O(shards)."""
+        open_shards = {piece.shard for window, _ in held.values() for piece in window.pieces}
+        for shard in self._evicted_shards - open_shards:
+            self.cache.evict_index(shard)
+        self._evicted_shards &= open_shards

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.checkpoint.parts import RestoreContext, StatePart
 from trainer.data.shards.dataset import ShardedDataset, encode_key
 from trainer.data.shards.order import ShardOrder, auto_lanes
 from trainer.data.shards.prefetch import Prefetcher, bytes_open_at_once, rank_plan
@@ -93,15 +92,12 @@ class ShardedDistributedSampler(ResumableDistributedSampler):
         return bytes_open_at_once(plan, lag_samples, lambda window: sum(
             shards[piece.shard].bytes * piece.samples // shards[piece.shard].samples for piece in window.pieces))
 
-    def state_part(self) -> StatePart:
-        """The epoch in progress's order in the checkpoint: a resume continues it whatever the world size."""
-        def capture() -> dict[str, int]:
-            return {"epoch": self.epoch, "lanes": self.lanes, "window": self.window}
+    def order_state(self) -> dict[str, int]:
+        """The epoch in progress's order, for the checkpoint: a resume continues it whatever the world size."""
+        return {"epoch": self.epoch, "lanes": self.lanes, "window": self.window}
 
-        def restore(saved: dict[str, int] | None, _: RestoreContext) -> None:
-            self._saved = None if saved is None else {key: int(saved[key]) for key in ("epoch", "lanes", "window")}
-
-        return StatePart("shard_order", capture, restore, version=1, upgrade=lambda _, __: None)
+    def restore_order_state(self, saved: dict[str, int] | None) -> None:
+        self._saved = None if saved is None else {key: int(saved[key]) for key in ("epoch", "lanes", "window")}
 
 
 class BlockSampler(torch.utils.data.Sampler[int]):
@@ -113,11 +109,13 @@ class BlockSampler(torch.utils.data.Sampler[int]):
         self.first, self.end = rank * size // num_replicas, (rank + 1) * size // num_replicas
         self.counts = dataset.counts
         self.prefetcher: Prefetcher | None = None
+        self._rounds = 0  # each evaluation is a plan of its own: the last one's pieces are gone
 
     def __iter__(self) -> Iterator[int]:
         prefetcher = self.prefetcher
         if prefetcher is not None:
-            prefetcher.begin(("eval", self.first), lambda: [
+            self._rounds += 1
+            prefetcher.begin(("eval", self._rounds), lambda: [
                 window for window in rank_plan(ShardOrder(self.counts, 0, 0, 0, 1), self.first, 0, 1)
                 if window.first < self.end - self.first])
         for k, sample in enumerate(range(self.first, self.end)):
