@@ -22,6 +22,8 @@ PUBLIC_MODULES = (
     "trainer.distributed",
     "trainer.models",
     "trainer.data",
+    "trainer.data.shards",
+    "trainer.data.shards.writer",
     "trainer.gradsync",
     "trainer.sharding",
     "trainer.syncbn",

@@ -392,7 +392,8 @@ def _task_data(task: RunTask, instance: Any, context: TaskContext) -> TaskData:
         dataset = getattr(data, split)
         if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
             raise TaskError(f"task {task.describe()}: the {split} dataset ({type(dataset).__name__}) is not map-style: "
-                            f"it needs __len__ and __getitem__ (an IterableDataset cannot be resumed exactly)")
+                            f"it needs __len__ and __getitem__ (an IterableDataset cannot be resumed exactly; stream "
+                            f"shards with trainer.data.shards.ShardedDataset: docs/data.md)")
         size = call_task(task, f"len() of the {split} dataset", lambda dataset=dataset: len(dataset))
         if size == 0:
             raise TaskError(f"task {task.describe()}: the {split} dataset is empty")
