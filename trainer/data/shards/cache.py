@@ -172,6 +172,11 @@ class PieceCache:
             raise DataError(f"the shard cache {self.folder}: cannot write {path.name} ({error.strerror or error}); "
                             f"set --shard-cache-dir to a writable folder") from None
 
+    def evict_all(self) -> None:
+        """Every piece in the folder: what a plan never held too (a placeholder's piece at an epoch's end)."""
+        for path in self.folder.glob("*.piece"):
+            path.unlink(missing_ok=True)
+
     def evict_index(self, shard: int) -> None:
         """The shard's index file, once no piece of it is held (a later piece fetches it again)."""
         (self.folder / f"{shard:06d}.idx.json").unlink(missing_ok=True)

@@ -146,6 +146,7 @@ class Prefetcher:
                         self._evict(window)
                     held.clear()
                     self._evict_indexes(held)
+                    self.cache.evict_all()  # the last plan's reads are all done when another begins
                     generation, plan, fetched_to = self._generation, self._plan, 0
                 read_before = self._dispatched - self.lag_samples
             done = [index for index, (window, _) in held.items() if window.last < read_before]
@@ -188,6 +189,7 @@ class Prefetcher:
         for window, _ in held.values():
             self._evict(window)
         self._evict_indexes({})
+        self.cache.evict_all()
 
     def _evict(self, window: PlannedWindow) -> None:
         for piece in window.pieces:
