@@ -359,7 +359,7 @@ def _forward_fails(config: Config, model: nn.Module, tuning: DeviceTuning, loade
     assert isinstance(dataset, SeededItems)
     try:
         with isolated(), torch.no_grad():
-            batch = loader.collate_fn(dataset.__getitems__([0]))
+            batch = loader.collate_fn(dataset.__getitems__([dataset.probe_key()]))
             inputs = inputs_on_device(batch[0], device, prepare, tuning)
     except Exception:  # noqa: BLE001 - a broken dataset is the first-batch check's to report, with its index
         return None

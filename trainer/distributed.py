@@ -293,11 +293,17 @@ def _fail_everywhere(runtime: Runtime, error: Exception | None, error_type: type
         raise error
     if error is not None:
         agree(False, runtime)
-    reports: list[str | None] = [None] * runtime.identity.world_size
-    dist.all_gather_object(reports, None if error is None else _report(error, runtime), group=runtime.control)
+    reports: list[tuple[str, int] | None] = [None] * runtime.identity.world_size
+    mine = None if error is None else (_report(error, runtime), getattr(error, "exit_code", error_type.exit_code))
+    dist.all_gather_object(reports, mine, group=runtime.control)
     if error is not None and not isinstance(error, UserError):
         raise error
-    raise error_type(next(report for report in reports if report is not None))
+    message, exit_code = next(report for report in reports if report is not None)
+    agreed_error = error_type(message)
+    # The failing rank's exit code on every rank: a store that kept failing (200, retried by the launcher) is not
+    # bad input (2) because another rank raises it.
+    agreed_error.exit_code = exit_code
+    raise agreed_error
 
 
 def _report(error: Exception, runtime: Runtime) -> str:

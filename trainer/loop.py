@@ -22,7 +22,7 @@ from trainer.checkpoint.parts import RestoreContext, add_run_parts
 from trainer.checkpoint.reading import InvalidCheckpoint
 from trainer.checkpoint.schema import TaskRecord
 from trainer.config import Config
-from trainer.data.shards.fetching import stop_fetching
+from trainer.data.shards.fetching import check_epoch_bound, stop_fetching
 from trainer.distributed import Runtime, agreed
 from trainer.errors import CheckpointError, OutOfMemory, OutputError, Preempted, first_line
 from trainer.evaluation import detached, evaluate
@@ -154,6 +154,7 @@ class Trainer:
         while self.position.epoch < config.train.epochs and not self._reached_max_steps():
             epoch = self.position.epoch
             setup.train_sampler.set_epoch(epoch, start_sample=self.position.samples_in_epoch)
+            check_epoch_bound(setup.train_loader, runtime)  # a sharded dataset's cache holds this epoch's windows
             if not checked:
                 check_first_batches(setup, runtime)
                 checked = True

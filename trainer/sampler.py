@@ -137,6 +137,10 @@ class SeededItems(Dataset[Any]):
     def index(self, key: int) -> int:
         return key % self.size
 
+    def probe_key(self) -> int:
+        """A key to look at the data with before training (the first sample)."""
+        return 0
+
     def __getitem__(self, key: int) -> Any:
         epoch, index = divmod(key, self.size)
         if self.deterministic:

@@ -14,13 +14,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from devtools.processes import REPO_ROOT, clean_env, kill_session, kill_tree, run, torchrun, torchrun_command
+from devtools.processes import (
+    REPO_ROOT,
+    clean_env,
+    env_ranks,
+    free_port,
+    kill_session,
+    kill_tree,
+    run,
+    torchrun,
+    torchrun_command,
+)
 from tests.integration.test_elastic import checkpoint_folders
 from tests.support.ledger import decode_ledger, write_ledger_shards
 from tests.support.ledger_checks import assert_each_sample_trained_once, ledger, segments
 from tests.support.s3_server import S3Server
 from trainer.data.shards import ShardedDataset, ShardIndex, ShardOrder, auto_lanes
-from trainer.errors import EXIT_USAGE
+from trainer.errors import EXIT_PEER_LOST, EXIT_USAGE
 
 pytestmark = pytest.mark.slow
 
@@ -118,3 +128,14 @@ def test_a_sample_corrupt_mid_epoch_ends_the_run_in_one_line_naming_it(tmp_path:
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert f"{dataset.shards[shard].name}: sample {span.key}" in errors[0] and "the shard is corrupt" in errors[0]
+
+
+def test_a_store_that_does_not_answer_at_start_ends_every_rank_to_be_restarted(tmp_path: Path):
+    """Nothing listens at the store's address: every rank's retries run out opening the dataset, and the agreement
+    between the ranks keeps the exit code that says "retry" (200), not "fix the input" (2)."""
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_ACCESS_KEY_ID": "k",
+           "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1"}
+    results = env_ranks(ledger_args("s3://nowhere/ledger", tmp_path / "run", tmp_path / "cache", "--store-attempts",
+                                    "2"), world_size=2, env=env, timeout_s=120)
+    assert [result.returncode for result in results] == [EXIT_PEER_LOST, EXIT_PEER_LOST], results[0].stderr[-2000:]
+    assert "the store kept failing" in results[0].stderr and "through 2 attempts" in results[0].stderr

@@ -77,6 +77,7 @@ class ShardLedgerOptions(LedgerOptions):
     shards: str = option("", "the ledger's samples as shards (write_ledger_shards): a folder or URL",
                          resume=ResumeRule.REFUSE)
     step_delay_s: float = option(0.0, "seconds each loss call waits (a node killed mid-epoch fits)")
+    store_attempts: int = option(6, "attempts per request to the shards' store while opening them")
 
 
 def decode_ledger(members: dict[str, bytes]) -> tuple[torch.Tensor, float]:
@@ -107,10 +108,11 @@ class ShardLedgerTask(LedgerTask):
     Options = ShardLedgerOptions
 
     def datasets(self, context: TaskContext) -> TaskData:
-        from trainer.data.shards import ShardedDataset
+        from trainer.data.shards import RetryPolicy, ShardedDataset
 
-        return TaskData(ShardedDataset(self.options.shards, "train", decode_ledger),
-                        ShardedDataset(self.options.shards, "eval", decode_ledger), deterministic_items=True)
+        retry = RetryPolicy(attempts=self.options.store_attempts, first_backoff_s=0.2)
+        return TaskData(ShardedDataset(self.options.shards, "train", decode_ledger, retry),
+                        ShardedDataset(self.options.shards, "eval", decode_ledger, retry), deterministic_items=True)
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         time.sleep(self.options.step_delay_s)

@@ -13,6 +13,7 @@ a job and the leftovers of a killed one) never share or wipe each other's pieces
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -28,7 +29,7 @@ from typing import IO
 from trainer.data.shards.layout import SampleSpan, ShardEntry, ShardIndex
 from trainer.data.shards.order import Piece
 from trainer.data.shards.store import ShardStore
-from trainer.errors import DataError
+from trainer.errors import DataError, DataUnavailable
 
 __all__ = ["PieceCache", "claim_folder"]
 
@@ -88,7 +89,10 @@ class PieceCache:
             return cached
         entry = self.shards[shard]
         local = self.folder / f"{shard:06d}.idx.json"
-        data = local.read_bytes() if local.exists() else None
+        try:
+            data: bytes | None = local.read_bytes()
+        except FileNotFoundError:  # never fetched here, or deleted with its last piece a moment ago
+            data = None
         if data is None or zlib.crc32(data) != entry.sidecar_crc32:
             data = self._fetch_checked_sidecar(entry)
             self._write(local, data, f"the index of shard {entry.name}")
@@ -125,10 +129,29 @@ class PieceCache:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 if not path.exists():
-                    self._fetch(piece, path, who)
+                    self._raise_recorded_failure(path)
+                    try:
+                        self._fetch(piece, path, who)
+                    except DataError as error:
+                        self._record_failure(path, error)
+                        raise
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
         return path
+
+    # A fetch that failed (its retries spent, or the data bad) is recorded beside the piece, so that the next process
+    # that needs the piece (the prefetcher's failure, then a worker) raises it at once instead of spending the
+    # retries again: a store that is gone ends the run after one round of retries, not one per process.
+    def _record_failure(self, path: Path, error: DataError) -> None:
+        with contextlib.suppress(OSError):  # unrecorded, the next process retries: slower, never wrong
+            path.with_suffix(".failed").write_text(f"{type(error).__name__}\n{error}")
+
+    def _raise_recorded_failure(self, path: Path) -> None:
+        try:
+            kind, _, message = path.with_suffix(".failed").read_text().partition("\n")
+        except (FileNotFoundError, UnicodeDecodeError):
+            return
+        raise (DataUnavailable if kind == DataUnavailable.__name__ else DataError)(message)
 
     def _fetch(self, piece: Piece, path: Path, who: str) -> None:
         entry = self.shards[piece.shard]
@@ -173,9 +196,11 @@ class PieceCache:
                             f"set --shard-cache-dir to a writable folder") from None
 
     def evict_all(self) -> None:
-        """Every piece in the folder: what a plan never held too (a placeholder's piece at an epoch's end)."""
-        for path in self.folder.glob("*.piece"):
-            path.unlink(missing_ok=True)
+        """Everything in the folder but its log and lock: what a plan never held too (a piece a worker fetched for a
+        window the prefetcher had passed, their locks, shard indexes, recorded failures)."""
+        for path in self.folder.iterdir():
+            if path.name not in (FETCH_LOG, OWNER_LOCK):
+                path.unlink(missing_ok=True)
 
     def evict_index(self, shard: int) -> None:
         """The shard's index file, once no piece of it is held (a later piece fetches it again)."""
@@ -183,8 +208,8 @@ class PieceCache:
 
     def evict(self, piece: Piece) -> None:
         path = self.path(piece)
-        path.unlink(missing_ok=True)
-        path.with_suffix(".lock").unlink(missing_ok=True)
+        for suffix in (".piece", ".lock", ".failed"):
+            path.with_suffix(suffix).unlink(missing_ok=True)
 
     def read_sample(self, piece: Piece, index_in_shard: int, who: str) -> tuple[str, dict[str, bytes]]:
         """(key, extension -> bytes) of a sample of the piece."""

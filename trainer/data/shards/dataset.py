@@ -130,7 +130,7 @@ class ShardedDataset(Dataset[Any]):
         return self.cache
 
     def __getitem__(self, sample: int) -> Any:
-        """Sample ``sample`` by itself: its whole shard is fetched (the trainer reads by piece instead)."""
+        """Sample ``sample`` by itself: its byte range alone is fetched (the trainer reads by pieces instead)."""
         order = ShardOrder(self.counts, 0, 0, 0, 1)
         return self.fetch(sample, order.piece_of(sample))
 
@@ -182,7 +182,7 @@ class ShardedItems(SeededItems):
             if len(self._orders) > 2:
                 self._orders.clear()
             found = self._orders[(epoch, lanes, window)] = ShardOrder(self.sharded.counts, self.seed, epoch, lanes,
-                                                                      max(1, window))
+                                                                      max(1, window) if lanes else window)
         return found
 
     def locate(self, key: int) -> tuple[int, int, Piece]:
@@ -193,6 +193,10 @@ class ShardedItems(SeededItems):
 
     def index(self, key: int) -> int:
         return self.locate(key)[1]
+
+    def probe_key(self) -> int:
+        """Sample 0 read by itself (one sample's byte range, not its shard): a look at the data before training."""
+        return encode_key(0, 0, 1, 0, self.size)
 
     def __getitem__(self, key: int) -> Any:
         epoch, sample, piece = self.locate(key)

@@ -15,12 +15,12 @@ from torch.utils.data import DataLoader
 from trainer.data.locate import DEFAULT_CACHE
 from trainer.data.shards.dataset import ShardedItems
 from trainer.data.shards.prefetch import Prefetcher
-from trainer.data.shards.sampler import BlockSampler, ShardedDistributedSampler
+from trainer.data.shards.sampler import BlockSampler, CacheBound, ShardedDistributedSampler
 from trainer.data.shards.store import RetryPolicy
 from trainer.distributed import Runtime, agreed
 from trainer.errors import DataError
 
-__all__ = ["start_fetching", "stop_fetching"]
+__all__ = ["check_epoch_bound", "start_fetching", "stop_fetching"]
 
 TRAINING_SHARE = 0.75
 
@@ -48,26 +48,44 @@ def start_fetching(settings: Any, runtime: Runtime, train_loader: DataLoader[Any
             lag = (in_flight + 2) * loader.batch_size
             sampler = loader.sampler
             bound = int(share * (TRAINING_SHARE if role == "train" else 1 - TRAINING_SHARE))
+            assert isinstance(sampler, ShardedDistributedSampler | BlockSampler)
+            sampler.prefetcher = Prefetcher(dataset.cache, bound, lag, f"rank{identity.rank}")
             if isinstance(sampler, ShardedDistributedSampler):
-                needed = sampler.bytes_needed(lag)
-                if needed > bound:
-                    raise DataError(
-                        f"--shard-cache-gb {settings.shard_cache_gb:g}: rank {identity.rank} needs {needed / 1e9:.3f} "
-                        f"GB of shards open at once ({sampler.lanes} lanes over {sampler.num_replicas} rank(s), "
-                        f"windows of {sampler.window} samples), more than the {bound / 1e9:.3f} GB of the bound it "
-                        f"trains with ({TRAINING_SHARE:.0%} of the node's bound over its "
-                        f"{identity.local_world_size} rank(s)); raise --shard-cache-gb, or lower --shard-window or "
-                        f"--shard-lanes")
+                sampler.bound = CacheBound(settings.shard_cache_gb, identity.rank, identity.local_world_size)
+                _check_training_bound(sampler)
             else:
                 largest = max(entry.bytes for entry in dataset.shards)
                 if largest > bound:
                     raise DataError(f"--shard-cache-gb {settings.shard_cache_gb:g}: the evaluation set's largest shard "
-                                    f"({largest / 1e9:.3f} GB) does not fit the {bound / 1e9:.3f} GB this rank "
-                                    f"evaluates with; raise --shard-cache-gb or write smaller shards")
-            assert isinstance(sampler, ShardedDistributedSampler | BlockSampler)
-            sampler.prefetcher = Prefetcher(dataset.cache, bound, lag, f"rank{identity.rank}")
+                                    f"({_size(largest)}) does not fit the {_size(bound)} this rank evaluates with; "
+                                    f"raise --shard-cache-gb or write smaller shards")
 
     agreed(runtime, attach, DataError, long_work="the sharded datasets' caches")
+
+
+def check_epoch_bound(loader: DataLoader[Any], runtime: Runtime) -> None:
+    """The bound against the epoch about to start, on every rank alike: a resumed epoch keeps the lanes it began
+    with (another world size may read more of them per rank), and each epoch permutes the shards anew."""
+    sampler = loader.sampler
+    if isinstance(sampler, ShardedDistributedSampler) and sampler.bound is not None:
+        agreed(runtime, lambda: _check_training_bound(sampler), DataError)
+
+
+def _check_training_bound(sampler: ShardedDistributedSampler) -> None:
+    prefetcher, bound = sampler.prefetcher, sampler.bound
+    assert prefetcher is not None and bound is not None
+    needed = sampler.bytes_needed(prefetcher.lag_samples)
+    if needed > prefetcher.bound_bytes:
+        raise DataError(
+            f"--shard-cache-gb {bound.flag_gb:g}: rank {bound.rank} needs {_size(needed)} of shards open at once in "
+            f"epoch {sampler.epoch + 1} ({sampler.lanes} lanes over {sampler.num_replicas} rank(s), windows of "
+            f"{sampler.window} samples), more than the {_size(prefetcher.bound_bytes)} it trains with "
+            f"({TRAINING_SHARE:.0%} of the node's bound over its {bound.local_world_size} rank(s)); raise "
+            f"--shard-cache-gb, or lower --shard-window or --shard-lanes")
+
+
+def _size(count: int) -> str:
+    return f"{count / 1e9:.2f} GB" if count >= 1e9 else f"{count / 1e6:.1f} MB"
 
 
 def stop_fetching(*loaders: DataLoader[Any]) -> None:

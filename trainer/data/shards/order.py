@@ -69,7 +69,8 @@ class Piece:
 
 @dataclass
 class ShardOrder:
-    """The order of one epoch. ``lanes == 0``: no shuffle, position p is sample p (evaluation, random access)."""
+    """The order of one epoch. ``lanes == 0``: no shuffle, position p is sample p, read by whole shards (``window``
+    0: evaluation's blocks) or one sample at a time (``window`` 1: random access)."""
 
     counts: Sequence[int]  # samples per shard, in the index's order
     seed: int
@@ -82,7 +83,7 @@ class ShardOrder:
     _permutations: OrderedDict[tuple[int, int], Sequence[int]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.window < 1:
+        if self.window < (1 if self.lanes else 0):
             raise ValueError(f"window must be >= 1, got {self.window}")
         self._sample_starts = _starts(self.counts)
         self.size = self._sample_starts[-1]
@@ -124,8 +125,8 @@ class ShardOrder:
     def piece_of(self, position: int) -> Piece:
         """The piece (a window's part of one shard) that holds the position's sample; without lanes, its shard."""
         if self.lanes == 0:
-            shard = bisect.bisect_right(self._sample_starts, position) - 1
-            return Piece(shard, 0, self.counts[shard])
+            shard, index = self.shard_of(position)
+            return Piece(shard, index, index + 1) if self.window else Piece(shard, 0, self.counts[shard])
         sample = self.sample(position)
         lane, window = self.locate(position)
         shard = bisect.bisect_right(self._sample_starts, sample) - 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from trainer.errors import DataError, described
 __all__ = ["PlannedWindow", "Prefetcher", "bytes_open_at_once", "rank_plan"]
 
 log = logging.getLogger(__name__)
+ACKNOWLEDGE_S = 30.0  # how long a new plan waits for the thread to drop the last one's pieces (a fetch in flight)
 
 
 @dataclass(frozen=True)
@@ -87,23 +89,27 @@ def bytes_open_at_once(plan: list[PlannedWindow], lag_samples: int, size_of: Cal
 
 
 class Prefetcher:
-    """Fetches the plan's windows ahead of the sampler and deletes the read ones. Errors are kept, not raised: the
-    worker that needs the piece fetches it itself and raises the error where the loop sees it."""
+    """Fetches the plan's windows ahead of the sampler (a thread) and deletes the read ones (in the sampler's own
+    thread, as it hands out indices: deletion never waits for the thread to be scheduled, so the cache's peak does
+    not depend on the machine's load). A window whose fetch failed is held all the same: the worker that reads it
+    meets the error itself and ends the run where the loop sees it."""
 
     def __init__(self, cache: PieceCache, bound_bytes: int, lag_samples: int, who: str) -> None:
         self.cache = cache
         self.bound_bytes = bound_bytes
         self.lag_samples = lag_samples
         self.who = who
-        self._plan: list[PlannedWindow] = []
-        self._key: object = None
-        self._dispatched = -1
-        self._generation = 0
-        self._wake = threading.Condition()
-        self._stopped = False
         self.error: BaseException | None = None
         self.peak_bytes = 0
+        self._wake = threading.Condition()
+        self._plan: list[PlannedWindow] = []
+        self._key: object = None
+        self._generation = 0
+        self._acknowledged = 0
+        self._held: dict[int, tuple[PlannedWindow, int]] = {}  # plan index -> (window, bytes); under _wake
+        self._read_before = -1  # every sample of the plan before this one has been read by the workers
         self._evicted_shards: set[int] = set()
+        self._stopped = False
         self._thread: threading.Thread | None = None
 
     def begin(self, key: object, make_plan: Callable[[], list[PlannedWindow]]) -> None:
@@ -114,18 +120,32 @@ class Prefetcher:
                 return
             self._key = key
             self._plan = make_plan()
-            self._dispatched = -1
+            self._read_before = -1
             self._generation += 1
             self._wake.notify_all()
+            if self._thread is None:
+                self._drop_everything()
+                self._acknowledged = self._generation
+            # The last plan's pieces go before this one's first index is handed out: deleted later, they would take
+            # pieces a worker has just fetched for this plan with them (fetched again: bytes, never a wrong read).
+            deadline = time.monotonic() + ACKNOWLEDGE_S
+            while self._acknowledged != self._generation and time.monotonic() < deadline:
+                self._wake.wait(timeout=0.5)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="shard-prefetch", daemon=True)
             self._thread.start()
 
     def dispatched(self, k: int) -> None:
-        """The sampler handed out this rank's k-th sample of the plan."""
+        """The sampler hands out this rank's k-th sample of the plan: the windows read to the end ``lag_samples``
+        before it are deleted now, and the thread may fetch further."""
         with self._wake:
-            self._dispatched = k
-            self._wake.notify_all()
+            read_before = self._read_before = k - self.lag_samples
+            done = [index for index, (window, _) in self._held.items() if window.last < read_before]
+            for index in done:
+                self._evict(self._held.pop(index)[0])
+            if done:
+                self._evict_indexes()
+                self._wake.notify_all()
 
     def stop(self) -> None:
         with self._wake:
@@ -133,62 +153,70 @@ class Prefetcher:
             self._wake.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        with self._wake:
+            self._drop_everything()
 
     def _run(self) -> None:
-        held: dict[int, tuple[PlannedWindow, int]] = {}  # plan index -> (window, bytes)
         generation, plan, fetched_to = -1, [], 0
         while True:
             with self._wake:
                 if self._stopped:
-                    break
+                    return
                 if generation != self._generation:
-                    for window, _ in held.values():
-                        self._evict(window)
-                    held.clear()
-                    self._evict_indexes(held)
-                    self.cache.evict_all()  # the last plan's reads are all done when another begins
+                    self._drop_everything()  # the last plan's reads are all done when another begins
                     generation, plan, fetched_to = self._generation, self._plan, 0
-                read_before = self._dispatched - self.lag_samples
-            done = [index for index, (window, _) in held.items() if window.last < read_before]
-            for index in done:
-                self._evict(held.pop(index)[0])
-            if done:
-                self._evict_indexes(held)
-            progressed = False
-            while fetched_to < len(plan):
-                window = plan[fetched_to]
-                if window.last < read_before:  # already read (fetched by the workers themselves): skip it
+                    self._acknowledged = generation
+                    self._wake.notify_all()
+                if fetched_to >= len(plan):
+                    self._wake.wait(timeout=1.0)
+                    continue
+                window, read_before = plan[fetched_to], self._read_before
+                if window.last < read_before:  # read already, fetched by the workers themselves: gone with it
+                    self._evict(window)
                     fetched_to += 1
                     continue
-                size = 0
-                try:
-                    size = sum(self.cache.piece_bytes(piece) for piece in window.pieces)
-                    held_bytes = sum(size for _, size in held.values())
-                    if held and held_bytes + size > self.bound_bytes:
-                        break
-                    for piece in window.pieces:
-                        self.cache.ensure(piece, self.who)
-                except (DataError, OSError) as error:
-                    # Held all the same, so that what a worker fetches of it is deleted in turn; the worker that
-                    # reads it meets the error itself and ends the run where the loop sees it.
-                    self.error = error
-                    log.warning("%s: prefetching a window failed (%s); the loader's workers fetch it themselves",
-                                self.who, described(error))
-                    held_bytes = sum(size for _, size in held.values())
-                held[fetched_to] = (window, size)
-                self.peak_bytes = max(self.peak_bytes, held_bytes + size)
+            # Sizes need the shards' own indexes, which may come from the store: never under the lock, which the
+            # sampler's thread takes at every index it hands out.
+            size, failure = self._size(window)
+            with self._wake:
+                if generation != self._generation or self._stopped:
+                    continue
+                held = sum(size for _, size in self._held.values())
+                if self._held and held + size > self.bound_bytes:
+                    self._wake.wait(timeout=1.0)  # until a window is read and deleted
+                    continue
+            if failure is None:
+                failure = self._fetch(window)
+            if failure is not None:
+                self.error = failure
+                log.warning("%s: prefetching a window failed (%s); the loader's workers fetch it themselves",
+                            self.who, described(failure))
+            with self._wake:
+                if generation != self._generation or self._stopped:
+                    continue  # a new plan: what was just fetched goes with the old one's, at the top
+                self._held[fetched_to] = (window, size)
+                self.peak_bytes = max(self.peak_bytes, held + size)
                 fetched_to += 1
-                progressed = True
-                with self._wake:
-                    if self._stopped or generation != self._generation:
-                        break
-            if not progressed:
-                with self._wake:
-                    if not self._stopped and generation == self._generation:
-                        self._wake.wait(timeout=1.0)
-        for window, _ in held.values():
+
+    def _size(self, window: PlannedWindow) -> tuple[int, BaseException | None]:
+        try:
+            return sum(self.cache.piece_bytes(piece) for piece in window.pieces), None
+        except (DataError, OSError) as error:
+            return 0, error
+
+    def _fetch(self, window: PlannedWindow) -> BaseException | None:
+        try:
+            for piece in window.pieces:
+                self.cache.ensure(piece, self.who)
+        except (DataError, OSError) as error:
+            return error
+        return None
+
+    def _drop_everything(self) -> None:
+        for window, _ in self._held.values():
             self._evict(window)
-        self._evict_indexes({})
+        self._held.clear()
+        self._evict_indexes()
         self.cache.evict_all()
 
     def _evict(self, window: PlannedWindow) -> None:
@@ -196,10 +224,10 @@ class Prefetcher:
             self.cache.evict(piece)
         self._evicted_shards.update(piece.shard for piece in window.pieces)
 
-    def _evict_indexes(self, held: dict[int, tuple[PlannedWindow, int]]) -> None:
+    def _evict_indexes(self) -> None:
         """The shard indexes of evicted pieces that no held window reads: the cache holds O(open windows), never
         O(shards)."""
-        open_shards = {piece.shard for window, _ in held.values() for piece in window.pieces}
+        open_shards = {piece.shard for window, _ in self._held.values() for piece in window.pieces}
         for shard in self._evicted_shards - open_shards:
             self.cache.evict_index(shard)
         self._evicted_shards &= open_shards

@@ -21,7 +21,7 @@ from trainer.data.shards.prefetch import Prefetcher, bytes_open_at_once, rank_pl
 from trainer.errors import DataError
 from trainer.sampler import ResumableDistributedSampler
 
-__all__ = ["BlockSampler", "OrderSettings", "ShardedDistributedSampler"]
+__all__ = ["BlockSampler", "CacheBound", "OrderSettings", "ShardedDistributedSampler"]
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,15 @@ class OrderSettings:
     window_shards: float  # a window's samples, in shards' worth
 
 
+@dataclass(frozen=True)
+class CacheBound:
+    """What the cache bound's check names in its message (trainer.data.shards.fetching)."""
+
+    flag_gb: float
+    rank: int
+    local_world_size: int
+
+
 class ShardedDistributedSampler(ResumableDistributedSampler):
     def __init__(self, dataset: ShardedDataset, num_replicas: int, rank: int, seed: int, batch_size: int,
                  settings: OrderSettings) -> None:
@@ -39,6 +48,7 @@ class ShardedDistributedSampler(ResumableDistributedSampler):
         self.sharded = dataset
         self.settings = settings
         self.prefetcher: Prefetcher | None = None
+        self.bound: CacheBound | None = None  # once the trainer gave it a cache
         self._saved: dict[str, int] | None = None  # the epoch in progress's order, from a checkpoint
         self.lanes, self.window = self._fresh_parameters()
 
@@ -60,12 +70,14 @@ class ShardedDistributedSampler(ResumableDistributedSampler):
         return ShardOrder(self.sharded.counts, self.seed, self.epoch, self.lanes, self.window)
 
     def _positions(self) -> Iterator[int]:
-        """This rank's positions, as ResumableDistributedSampler deals them (remaining[rank::W], then the
-        remainder's first sample as a placeholder where the last global batch holds nothing of this rank's)."""
+        """This rank's positions, as ResumableDistributedSampler deals them (remaining[rank::W]), then, where the
+        last global batch holds nothing of this rank's, a placeholder to step with (weight zero): this rank's own
+        last sample, whose piece it holds, rather than the remainder's first (another rank's lane and shard)."""
         size = len(self.dataset)
-        yield from range(self.start_sample + self.rank, size, self.num_replicas)
+        mine = range(self.start_sample + self.rank, size, self.num_replicas)
+        yield from mine
         if self.start_sample < size and self.batch_shares()[-1][0] == 0:
-            yield self.start_sample
+            yield mine[-1] if mine else self.start_sample
 
     def __iter__(self) -> Iterator[int]:
         size, prefetcher = len(self.dataset), self.prefetcher

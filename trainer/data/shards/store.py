@@ -60,8 +60,9 @@ class ShardStore:
             options: dict[str, Any] = {"skip_instance_cache": True, "use_listings_cache": False}
             if protocol in ("s3", "s3a"):
                 timeout = self.retry.request_timeout_s
+                # total_max_attempts 1: botocore's own retries off ("max_attempts": 1 means one retry more)
                 options["config_kwargs"] = {"connect_timeout": min(10.0, timeout), "read_timeout": timeout,
-                                            "retries": {"max_attempts": 1}}
+                                            "retries": {"total_max_attempts": 1}}
             try:
                 self._fs, self._root = fsspec.core.url_to_fs(self.url, **options)
             except (ImportError, ValueError) as error:
@@ -106,6 +107,7 @@ class ShardStore:
     def _retried(self, call: Any, name: str) -> Any:
         shown = self.where(name) if name else self.shown
         delays = self.retry.delays()
+        started = time.monotonic()
         for attempt in range(self.retry.attempts):
             try:
                 return call()
@@ -125,8 +127,8 @@ class ShardStore:
                 if attempt + 1 >= self.retry.attempts:
                     raise DataUnavailable(
                         f"{shown}: the store kept failing ({reason}) through {self.retry.attempts} attempts over "
-                        f"{sum(delays):.0f} s; nothing is wrong with the data: the job ends to be restarted from "
-                        f"its last checkpoint") from None
+                        f"{time.monotonic() - started:.0f} s; nothing is wrong with the data: the job ends to be "
+                        f"restarted from its last checkpoint") from None
                 log.warning("%s: %s; retrying in %.1f s (attempt %d of %d)", shown, reason, delays[attempt],
                             attempt + 2, self.retry.attempts)
                 time.sleep(delays[attempt])

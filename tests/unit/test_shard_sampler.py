@@ -1,0 +1,113 @@
+"""The sampler over a sharded dataset and the prefetcher behind it, in one process over a local folder: the epoch's
+order survives a resume at another world size (its lanes saved), the next epoch takes its own; a placeholder step
+reads the rank's own last sample; the cache bound is checked against the epoch about to start; and reading an
+epoch through a DataLoader keeps the cache within its bound and leaves nothing behind."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from tests.support.ledger import decode_ledger, write_ledger_shards
+from trainer.data.shards import ShardedDataset, ShardedItems
+from trainer.data.shards.fetching import _check_training_bound
+from trainer.data.shards.prefetch import Prefetcher
+from trainer.data.shards.sampler import CacheBound, OrderSettings, ShardedDistributedSampler
+from trainer.errors import DataError
+
+
+@pytest.fixture
+def shards(tmp_path: Path) -> str:
+    url = str(tmp_path / "data")
+    write_ledger_shards(url, 145, (7, 11, 5, 9))
+    return url
+
+
+def sampler(url: str, world_size: int, rank: int, batch: int = 4, lanes: int = 0) -> ShardedDistributedSampler:
+    return ShardedDistributedSampler(ShardedDataset(url, "train", decode_ledger), world_size, rank, seed=0,
+                                     batch_size=batch, settings=OrderSettings(lanes, 1.0))
+
+
+def test_a_resumed_epoch_keeps_its_lanes_at_another_world_size_and_the_next_takes_its_own(shards):
+    first = sampler(shards, 2, 0, lanes=0)
+    first.set_epoch(0)
+    saved = first.order_state()
+    assert saved["lanes"] == 12
+    resumed = sampler(shards, 5, 0)
+    resumed.restore_order_state(saved)
+    resumed.set_epoch(0, start_sample=40)
+    assert resumed.lanes == 12 and resumed.order().sample(40) == first.order().sample(40)
+    resumed.set_epoch(1)
+    assert resumed.lanes == 15
+
+
+def test_a_placeholder_step_reads_the_ranks_own_last_sample(shards):
+    """145 samples at 3 ranks of 4: the last global batch holds 1 sample, so ranks 1 and 2 step on a placeholder."""
+    for rank in range(3):
+        dealt = sampler(shards, 3, rank)
+        dealt.set_epoch(0)
+        positions = list(dealt._positions())
+        own = list(range(rank, 145, 3))
+        assert positions[:len(own)] == own
+        assert positions[len(own):] == ([] if rank == 0 else [own[-1]])
+
+
+def test_the_bound_is_checked_against_the_epoch_about_to_start(shards, tmp_path):
+    """At 5 ranks a fresh epoch has 15 lanes, 3 a rank; an epoch begun at 2 ranks (12 lanes) and resumed at 5 has
+    each rank read all 12: a bound that fits the first is refused for the second, before its first step."""
+    resumed = sampler(shards, 5, 0)
+    resumed.sharded.attach_cache(tmp_path / "cache", "train-rank0")
+    assert resumed.sharded.cache is not None
+    resumed.set_epoch(0)
+    lag = 8
+    resumed.prefetcher = Prefetcher(resumed.sharded.cache, resumed.bytes_needed(lag), lag, "rank0")
+    resumed.bound = CacheBound(0.00001, 0, 1)
+    _check_training_bound(resumed)
+    begun = sampler(shards, 2, 0)
+    begun.set_epoch(0)
+    resumed.restore_order_state(begun.order_state())
+    resumed.set_epoch(0, start_sample=40)
+    with pytest.raises(DataError, match=r"--shard-cache-gb 1e-05: rank 0 needs .* MB of shards open at once in "
+                                        r"epoch 1 \(12 lanes over 5 rank\(s\), windows of 8 samples\), more than the "
+                                        r".* MB it trains with"):
+        _check_training_bound(resumed)
+
+
+def test_an_epoch_read_through_workers_stays_within_the_bound_and_leaves_nothing(tmp_path):
+    """600 samples in shards of 10, 2 lanes: the bound holds a few windows, a tenth of the data."""
+    url = str(tmp_path / "long")
+    write_ledger_shards(url, 600, (10,))
+    dealt = sampler(url, 1, 0, batch=5, lanes=2)
+    dataset = dealt.sharded
+    folder = dataset.attach_cache(tmp_path / "cache", "train-rank0")
+    assert dataset.cache is not None
+    dealt.set_epoch(0)
+    lag = (2 * 2 + 2) * 5
+    bound = dealt.bytes_needed(lag)
+    dealt.prefetcher = Prefetcher(dataset.cache, bound, lag, "rank0")
+    loader = DataLoader(ShardedItems(dataset, 0, True), batch_size=5, sampler=dealt, num_workers=2,
+                        collate_fn=lambda items: torch.stack([item[0] for item in items]))
+    peak, stop = [0], threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], sum(path.stat().st_size for path in folder.glob("*.piece") if path.exists()))
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        seen = torch.cat(list(loader)).tolist()
+    finally:
+        stop.set()
+        watcher.join()
+        dealt.prefetcher.stop()
+    assert sorted(seen) == list(range(600))
+    assert 0 < peak[0] <= bound, (peak[0], bound)
+    assert bound < 0.15 * sum(entry.bytes for entry in dataset.shards)
+    assert sorted(path.name for path in folder.iterdir()) == [".owner.lock", "fetched.log"]
