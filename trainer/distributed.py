@@ -294,14 +294,15 @@ def _fail_everywhere(runtime: Runtime, error: Exception | None, error_type: type
     if error is not None:
         agree(False, runtime)
     reports: list[tuple[str, int] | None] = [None] * runtime.identity.world_size
-    mine = None if error is None else (_report(error, runtime), getattr(error, "exit_code", error_type.exit_code))
-    dist.all_gather_object(reports, mine, group=runtime.control)
+    code = error.exit_code if isinstance(error, UserError) else error_type.exit_code
+    dist.all_gather_object(reports, None if error is None else (_report(error, runtime), code), group=runtime.control)
     if error is not None and not isinstance(error, UserError):
         raise error
-    message, exit_code = next(report for report in reports if report is not None)
+    # A failing rank's exit code on every rank: a store that kept failing (200, retried by the launcher) is not bad
+    # input (2) because another rank raises it. Where ranks differ, the lowest code: input to fix outranks a retry,
+    # which would fail the same way again.
+    message, exit_code = min((report for report in reports if report is not None), key=lambda report: report[1])
     agreed_error = error_type(message)
-    # The failing rank's exit code on every rank: a store that kept failing (200, retried by the launcher) is not
-    # bad input (2) because another rank raises it.
     agreed_error.exit_code = exit_code
     raise agreed_error
 

@@ -78,8 +78,24 @@ def test_the_bound_is_checked_against_the_epoch_about_to_start(shards, tmp_path)
         _check_training_bound(resumed)
 
 
-def test_an_epoch_read_through_workers_stays_within_the_bound_and_leaves_nothing(tmp_path):
-    """600 samples in shards of 10, 2 lanes: the bound holds a few windows, a tenth of the data."""
+@pytest.mark.parametrize("thread", ["prompt", "slow", "failing"])
+def test_an_epoch_read_through_workers_stays_within_the_bound_and_leaves_nothing(tmp_path, monkeypatch, thread):
+    """600 samples in shards of 10, 2 lanes: the bound holds a few windows, a tenth of the data. Whatever the
+    prefetch thread does (prompt; 50 ms late with every window, as on a loaded machine, so the workers fetch most
+    windows themselves; failing with an unexpected error now and then), the cache stays within the bound."""
+    if thread == "slow":
+        fetch = Prefetcher._fetch
+        monkeypatch.setattr(Prefetcher, "_fetch", lambda self, window: time.sleep(0.05) or fetch(self, window))
+    elif thread == "failing":
+        size, calls = Prefetcher._size, [0]
+
+        def sometimes(self: Prefetcher, window: object) -> object:
+            calls[0] += 1
+            if calls[0] % 3 == 0:
+                raise KeyError(calls[0])
+            return size(self, window)
+
+        monkeypatch.setattr(Prefetcher, "_size", sometimes)
     url = str(tmp_path / "long")
     write_ledger_shards(url, 600, (10,))
     dealt = sampler(url, 1, 0, batch=5, lanes=2)

@@ -19,6 +19,8 @@ import fcntl
 import logging
 import os
 import shutil
+import threading
+import time
 import uuid
 import zlib
 from collections import OrderedDict
@@ -70,6 +72,7 @@ class PieceCache:
 
     def __post_init__(self) -> None:
         self._indexes: OrderedDict[int, ShardIndex] = OrderedDict()
+        self._indexes_lock = threading.Lock()  # the prefetch thread and the main thread both read them
 
     def __getstate__(self) -> dict[str, object]:
         return {"folder": self.folder, "store": self.store, "shards": self.shards}
@@ -83,10 +86,11 @@ class PieceCache:
 
     def shard_index(self, shard: int) -> ShardIndex:
         """The shard's own index: from this process's memory, the cache folder, or the store (checked)."""
-        cached = self._indexes.get(shard)
-        if cached is not None:
-            self._indexes.move_to_end(shard)
-            return cached
+        with self._indexes_lock:
+            cached = self._indexes.get(shard)
+            if cached is not None:
+                self._indexes.move_to_end(shard)
+                return cached
         entry = self.shards[shard]
         local = self.folder / f"{shard:06d}.idx.json"
         try:
@@ -102,9 +106,10 @@ class PieceCache:
             raise DataError(f"{self.store.where(entry.sidecar)}: {len(index.samples)} samples and {index.bytes} bytes, "
                             f"but index.json lists {entry.samples} and {entry.bytes}; rebuild the index (ddp-shard "
                             f"index)")
-        self._indexes[shard] = index
-        if len(self._indexes) > _SIDECARS_KEPT:
-            self._indexes.popitem(last=False)
+        with self._indexes_lock:
+            self._indexes[shard] = index
+            if len(self._indexes) > _SIDECARS_KEPT:
+                self._indexes.popitem(last=False)
         return index
 
     def _fetch_checked_sidecar(self, entry: ShardEntry) -> bytes:
@@ -131,29 +136,40 @@ class PieceCache:
                 if not path.exists():
                     self._raise_recorded_failure(path)
                     try:
-                        self._fetch(piece, path, who)
+                        data = self._download(piece)
                     except DataError as error:
                         self._record_failure(path, error)
                         raise
+                    self._write(path, data, f"shard {self.shards[piece.shard].name}")
+                    self._record(f"{who} {piece.shard} {piece.first} {piece.end} {len(data)}")
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
         return path
 
     # A fetch that failed (its retries spent, or the data bad) is recorded beside the piece, so that the next process
     # that needs the piece (the prefetcher's failure, then a worker) raises it at once instead of spending the
-    # retries again: a store that is gone ends the run after one round of retries, not one per process.
+    # retries again: a store that is gone ends the run after one round of retries, not one per process. A store's
+    # failure is taken as final for one round of retries only (it may be back by then); bad data for good.
     def _record_failure(self, path: Path, error: DataError) -> None:
         with contextlib.suppress(OSError):  # unrecorded, the next process retries: slower, never wrong
             path.with_suffix(".failed").write_text(f"{type(error).__name__}\n{error}")
 
     def _raise_recorded_failure(self, path: Path) -> None:
+        marker = path.with_suffix(".failed")
         try:
-            kind, _, message = path.with_suffix(".failed").read_text().partition("\n")
+            kind, _, message = marker.read_text().partition("\n")
+            age_s = time.time() - marker.stat().st_mtime
         except (FileNotFoundError, UnicodeDecodeError):
             return
-        raise (DataUnavailable if kind == DataUnavailable.__name__ else DataError)(message)
+        if kind == DataUnavailable.__name__:
+            if age_s > sum(self.store.retry.delays()) + self.store.retry.request_timeout_s:
+                marker.unlink(missing_ok=True)
+                return
+            raise DataUnavailable(message)
+        raise DataError(message)
 
-    def _fetch(self, piece: Piece, path: Path, who: str) -> None:
+    def _download(self, piece: Piece) -> bytes:
+        """The piece's bytes from the store, each sample checked against its CRC-32."""
         entry = self.shards[piece.shard]
         spans = self.shard_index(piece.shard).samples[piece.first:piece.end]
         start, end = spans[0].start, spans[-1].end
@@ -161,15 +177,14 @@ class PieceCache:
             data = self.store.read(entry.name, start, end)
             bad = _first_damaged(data, start, spans)
             if bad is None:
-                break
+                return data
             if attempt == 1:
                 raise DataError(f"{self.store.where(entry.name)}: sample {bad.key} (bytes {bad.start}..{bad.end}) does "
                                 f"not match its CRC-32 in the shard's index, fetched twice: the shard is corrupt; "
                                 f"write it again (ddp-shard) or restore it")
             log.warning("%s: sample %s arrived damaged; fetching its piece again", self.store.where(entry.name),
                         bad.key)
-        self._write(path, data, f"shard {entry.name}")
-        self._record(f"{who} {piece.shard} {piece.first} {piece.end} {len(data)}")
+        raise AssertionError("unreachable")
 
     def _record(self, line: str) -> None:
         """A fetch in fetched.log: WHO SHARD FIRST END BYTES (FIRST = END = -1: the shard's own index)."""
@@ -199,7 +214,9 @@ class PieceCache:
         """Everything in the folder but its log and lock: what a plan never held too (a piece a worker fetched for a
         window the prefetcher had passed, their locks, shard indexes, recorded failures)."""
         for path in self.folder.iterdir():
-            if path.name not in (FETCH_LOG, OWNER_LOCK):
+            # Not the log, nor any dot-file: the folder's lock, and the temporary files of writes in flight (a
+            # worker's rename would fail on a deleted one).
+            if path.name != FETCH_LOG and not path.name.startswith("."):
                 path.unlink(missing_ok=True)
 
     def evict_index(self, shard: int) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,7 +23,6 @@ from trainer.errors import DataError, described
 __all__ = ["PlannedWindow", "Prefetcher", "bytes_open_at_once", "rank_plan"]
 
 log = logging.getLogger(__name__)
-ACKNOWLEDGE_S = 30.0  # how long a new plan waits for the thread to drop the last one's pieces (a fetch in flight)
 
 
 @dataclass(frozen=True)
@@ -89,10 +87,11 @@ def bytes_open_at_once(plan: list[PlannedWindow], lag_samples: int, size_of: Cal
 
 
 class Prefetcher:
-    """Fetches the plan's windows ahead of the sampler (a thread) and deletes the read ones (in the sampler's own
-    thread, as it hands out indices: deletion never waits for the thread to be scheduled, so the cache's peak does
-    not depend on the machine's load). A window whose fetch failed is held all the same: the worker that reads it
-    meets the error itself and ends the run where the loop sees it."""
+    """Fetches the plan's windows ahead of the sampler (a thread), and deletes the read ones in the sampler's own
+    thread as it hands out indices: every window of the plan whose last read is far enough behind, whoever fetched
+    it (the thread, or a worker that got there first), so deletion never waits for the thread to be scheduled, and
+    what the cache holds is what the plan reads at that moment. A window whose fetch failed is held all the same: the
+    worker that reads it meets the error itself and ends the run where the loop sees it."""
 
     def __init__(self, cache: PieceCache, bound_bytes: int, lag_samples: int, who: str) -> None:
         self.cache = cache
@@ -103,47 +102,52 @@ class Prefetcher:
         self.peak_bytes = 0
         self._wake = threading.Condition()
         self._plan: list[PlannedWindow] = []
+        self._by_last: list[int] = []  # the plan's windows by last read, swept in that order
+        self._swept = 0
         self._key: object = None
         self._generation = 0
-        self._acknowledged = 0
         self._held: dict[int, tuple[PlannedWindow, int]] = {}  # plan index -> (window, bytes); under _wake
         self._read_before = -1  # every sample of the plan before this one has been read by the workers
         self._evicted_shards: set[int] = set()
         self._stopped = False
         self._thread: threading.Thread | None = None
+        self._cursor, self._cursor_generation = 0, -1  # where _next_unfetched resumes its scan
 
     def begin(self, key: object, make_plan: Callable[[], list[PlannedWindow]]) -> None:
-        """The plan of an epoch from a position (``key`` names them): what another plan held goes; the same one
-        again (the first-batch check iterated the sampler before the loader did) keeps what it fetched."""
+        """The plan of an epoch from a position (``key`` names them). Everything of the last plan is deleted here,
+        before this one's first index is handed out (no worker reads for it yet); the same plan again (the
+        first-batch check iterated the sampler before the loader did) keeps what it fetched."""
         with self._wake:
             if key == self._key:
                 return
             self._key = key
             self._plan = make_plan()
+            self._by_last = sorted(range(len(self._plan)), key=lambda index: self._plan[index].last)
+            self._swept = 0
             self._read_before = -1
             self._generation += 1
+            self._drop_everything()
             self._wake.notify_all()
-            if self._thread is None:
-                self._drop_everything()
-                self._acknowledged = self._generation
-            # The last plan's pieces go before this one's first index is handed out: deleted later, they would take
-            # pieces a worker has just fetched for this plan with them (fetched again: bytes, never a wrong read).
-            deadline = time.monotonic() + ACKNOWLEDGE_S
-            while self._acknowledged != self._generation and time.monotonic() < deadline:
-                self._wake.wait(timeout=0.5)
-        if self._thread is None:
+        if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="shard-prefetch", daemon=True)
             self._thread.start()
 
     def dispatched(self, k: int) -> None:
-        """The sampler hands out this rank's k-th sample of the plan: the windows read to the end ``lag_samples``
-        before it are deleted now, and the thread may fetch further."""
+        """The sampler hands out this rank's k-th sample of the plan: every window read to its end ``lag_samples``
+        before it is deleted now, and the thread may fetch further."""
         with self._wake:
             read_before = self._read_before = k - self.lag_samples
-            done = [index for index, (window, _) in self._held.items() if window.last < read_before]
-            for index in done:
+            swept = False
+            while self._swept < len(self._by_last) and self._plan[self._by_last[self._swept]].last < read_before:
+                index = self._by_last[self._swept]
+                self._held.pop(index, None)
+                self._evict(self._plan[index])
+                self._swept += 1
+                swept = True
+            late = [index for index, (window, _) in self._held.items() if window.last < read_before]
+            for index in late:  # fetched by the thread after the sweep had passed it
                 self._evict(self._held.pop(index)[0])
-            if done:
+            if swept or late:
                 self._evict_indexes()
                 self._wake.notify_all()
 
@@ -152,51 +156,67 @@ class Prefetcher:
             self._stopped = True
             self._wake.notify_all()
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=2)  # a fetch in flight is not waited for: the process is ending
         with self._wake:
             self._drop_everything()
 
     def _run(self) -> None:
-        generation, plan, fetched_to = -1, [], 0
+        warned = False
         while True:
-            with self._wake:
-                if self._stopped:
+            try:
+                if not self._fetch_next():
                     return
-                if generation != self._generation:
-                    self._drop_everything()  # the last plan's reads are all done when another begins
-                    generation, plan, fetched_to = self._generation, self._plan, 0
-                    self._acknowledged = generation
-                    self._wake.notify_all()
-                if fetched_to >= len(plan):
+            except Exception as error:  # noqa: BLE001 - a bug here must not end prefetching for the run unnoticed
+                self.error = error
+                if not warned:
+                    log.warning("%s: prefetching failed (%s); the loader's workers fetch what they need",
+                                self.who, described(error))
+                    warned = True
+                with self._wake:
                     self._wake.wait(timeout=1.0)
-                    continue
-                window, read_before = plan[fetched_to], self._read_before
-                if window.last < read_before:  # read already, fetched by the workers themselves: gone with it
-                    self._evict(window)
-                    fetched_to += 1
-                    continue
-            # Sizes need the shards' own indexes, which may come from the store: never under the lock, which the
-            # sampler's thread takes at every index it hands out.
-            size, failure = self._size(window)
-            with self._wake:
-                if generation != self._generation or self._stopped:
-                    continue
-                held = sum(size for _, size in self._held.values())
-                if self._held and held + size > self.bound_bytes:
-                    self._wake.wait(timeout=1.0)  # until a window is read and deleted
-                    continue
-            if failure is None:
-                failure = self._fetch(window)
-            if failure is not None:
-                self.error = failure
-                log.warning("%s: prefetching a window failed (%s); the loader's workers fetch it themselves",
-                            self.who, described(failure))
-            with self._wake:
-                if generation != self._generation or self._stopped:
-                    continue  # a new plan: what was just fetched goes with the old one's, at the top
-                self._held[fetched_to] = (window, size)
-                self.peak_bytes = max(self.peak_bytes, held + size)
-                fetched_to += 1
+
+    def _fetch_next(self) -> bool:
+        """Fetch the plan's next window if the bound has room for it, or wait; False once stopped."""
+        with self._wake:
+            if self._stopped:
+                return False
+            generation, plan = self._generation, self._plan
+            fetched_to = self._next_unfetched()
+            if fetched_to >= len(plan):
+                self._wake.wait(timeout=1.0)
+                return True
+            window = plan[fetched_to]
+        # Sizes need the shards' own indexes, which may come from the store: never under the lock, which the
+        # sampler's thread takes at every index it hands out.
+        size, failure = self._size(window)
+        with self._wake:
+            if generation != self._generation or self._stopped:
+                return True
+            held = sum(size for _, size in self._held.values())
+            if self._held and held + size > self.bound_bytes:
+                self._wake.wait(timeout=1.0)  # until a window is read and deleted
+                return True
+            self._held[fetched_to] = (window, size)  # held before it is fetched: a sweep meanwhile deletes it
+            self.peak_bytes = max(self.peak_bytes, held + size)
+        if failure is None:
+            failure = self._fetch(window)
+        if failure is not None:
+            self.error = failure
+            log.warning("%s: prefetching a window failed (%s); the loader's workers fetch it themselves",
+                        self.who, described(failure))
+        with self._wake:
+            if generation != self._generation or fetched_to not in self._held:
+                # A new plan began, or the sweep passed this window, while it was fetched: its pieces go now.
+                self._evict(window)
+        return True
+
+    def _next_unfetched(self) -> int:
+        """The first window of the plan not held and not read already (under the lock)."""
+        index = self._cursor if self._cursor_generation == self._generation else 0
+        while index < len(self._plan) and (index in self._held or self._plan[index].last < self._read_before):
+            index += 1
+        self._cursor, self._cursor_generation = index, self._generation
+        return index
 
     def _size(self, window: PlannedWindow) -> tuple[int, BaseException | None]:
         try:
@@ -213,10 +233,8 @@ class Prefetcher:
         return None
 
     def _drop_everything(self) -> None:
-        for window, _ in self._held.values():
-            self._evict(window)
         self._held.clear()
-        self._evict_indexes()
+        self._evicted_shards.clear()
         self.cache.evict_all()
 
     def _evict(self, window: PlannedWindow) -> None:

@@ -121,12 +121,13 @@ class BlockSampler(torch.utils.data.Sampler[int]):
         self.first, self.end = rank * size // num_replicas, (rank + 1) * size // num_replicas
         self.counts = dataset.counts
         self.prefetcher: Prefetcher | None = None
-        self._rounds = 0  # each evaluation is a plan of its own: the last one's pieces are gone
+        # Each evaluation is a plan of its own, counted when one is read to its end: the first-batch check's look at
+        # the first keys and the first evaluation share one.
+        self._rounds = 0
 
     def __iter__(self) -> Iterator[int]:
         prefetcher = self.prefetcher
         if prefetcher is not None:
-            self._rounds += 1
             prefetcher.begin(("eval", self._rounds), lambda: [
                 window for window in rank_plan(ShardOrder(self.counts, 0, 0, 0, 1), self.first, 0, 1)
                 if window.first < self.end - self.first])
@@ -134,6 +135,7 @@ class BlockSampler(torch.utils.data.Sampler[int]):
             if prefetcher is not None:
                 prefetcher.dispatched(k)
             yield sample
+        self._rounds += 1
 
     def __len__(self) -> int:
         return self.end - self.first
