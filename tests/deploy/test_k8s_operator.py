@@ -48,3 +48,25 @@ def test_webhook_refuses_two_masters_and_pods_without_a_pytorch_container():
     unnamed = job({"Worker": 1})
     unnamed["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["name"] = "main"
     assert admission_errors(unnamed) == ["pytorchReplicaSpecs.Worker: needs a container named 'pytorch'"]
+
+
+def test_workers_of_a_job_with_a_master_get_the_operators_init_container_after_their_own():
+    with_master = job({"Master": 1, "Worker": 2})
+    with_master["spec"]["pytorchReplicaSpecs"]["Worker"]["template"] = {"spec": {
+        "initContainers": [{"name": "own"}], "containers": [{"name": "pytorch", "image": "ddp-deploy:latest"}]}}
+    master, *workers = pod_plans(with_master)
+    assert "initContainers" not in master.template["spec"]
+    for worker in workers:
+        own, waiting = worker.template["spec"]["initContainers"]
+        assert own == {"name": "own"} and waiting["name"] == "init-pytorch"
+        assert waiting["image"] == "alpine:3.10" and "mnist-master-0" in waiting["command"][-1]
+        assert "securityContext" not in waiting, "the operator's built-in template sets none"
+
+
+def test_an_init_container_template_of_the_operators_flag_replaces_the_built_in_one_and_elastic_jobs_get_none():
+    template = "- name: init-pytorch\n  image: '{{.InitContainerImage}}'\n  command: ['{{ .MasterAddr }}']\n"
+    _, worker = pod_plans(job({"Master": 1, "Worker": 1}), template)
+    assert worker.template["spec"]["initContainers"] == [
+        {"name": "init-pytorch", "image": "alpine:3.10", "command": ["mnist-master-0"]}]
+    for plan in pod_plans(job({"Worker": 2}, elasticPolicy={}), template):
+        assert "initContainers" not in plan.template["spec"], plan.name

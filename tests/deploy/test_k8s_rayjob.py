@@ -28,8 +28,11 @@ def rayjob(source: str = SOURCE) -> Obj:
 
 
 def containers(job: Obj) -> dict[str, Obj]:
+    """The Ray cluster's containers (the head's, each worker group's) with their pods' volumes; the submitter pod
+    only sends the entrypoint to the dashboard: it mounts nothing and reads no store."""
     return {container["name"]: {**container, "volumes": template["spec"].get("volumes", [])}
-            for _, template in pod_templates(job) for container in template["spec"]["containers"]}
+            for path, template in pod_templates(job) if "submitterPodTemplate" not in path
+            for container in template["spec"]["containers"]}
 
 
 @pytest.mark.parametrize("source", [SOURCE, STREAMED_DATA])

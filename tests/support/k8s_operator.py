@@ -2,8 +2,9 @@
 
 Transcribed from kubeflow/trainer at tag v1.9.4 (the release scripts/kind-cluster.sh installs):
 defaults from pkg/apis/kubeflow.org/v1/pytorch_defaults.go, admission rules from
-pkg/webhooks/pytorch/pytorchjob_webhook.go, and the variables each container gets from
-pkg/controller.v1/pytorch/{envvar,master,elastic}.go.
+pkg/webhooks/pytorch/pytorchjob_webhook.go, the variables each container gets from
+pkg/controller.v1/pytorch/{envvar,master,elastic}.go, and the init container every Worker gets when a Master exists
+from pkg/controller.v1/pytorch/initcontainer.go.
 """
 
 from __future__ import annotations
@@ -13,11 +14,26 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import yaml
+
 CONTAINER = "pytorch"
 PORT_NAME = "pytorchjob-port"
 DEFAULT_PORT = 23456
 REPLICA_TYPES = ("Master", "Worker")  # pod names and RANK follow this order
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+# The operator's flags --pytorch-init-container-image and --pytorch-init-container-max-tries, at their defaults.
+INIT_CONTAINER_IMAGE, INIT_CONTAINER_MAX_TRIES = "alpine:3.10", 100
+# Its built-in init container, used unless --pytorch-init-container-template-file (default
+# /etc/config/initContainer.yaml) names a file that exists: no securityContext at all.
+DEFAULT_INIT_CONTAINER_TEMPLATE = """
+- name: init-pytorch
+  image: {{.InitContainerImage}}
+  imagePullPolicy: IfNotPresent
+  resources:
+    limits: {cpu: 100m, memory: 20Mi}
+    requests: {cpu: 50m, memory: 10Mi}
+  command: ['sh', '-c', 'for i in $(seq {{.MaxTries}}); do nslookup {{.MasterAddr}} && exit 0; sleep 2; done; exit 1']
+"""
 
 Obj = dict[str, Any]
 
@@ -98,17 +114,34 @@ def admission_errors(job: Obj) -> list[str]:
     return errors
 
 
-def pod_plans(job: Obj) -> list[PodPlan]:
-    """Every pod of an admitted, defaulted job, Master first, with the variables the operator appends."""
+def pod_plans(job: Obj, init_container_template: str = DEFAULT_INIT_CONTAINER_TEMPLATE) -> list[PodPlan]:
+    """Every pod of an admitted, defaulted job, Master first, with the variables the operator appends and the init
+    containers it adds (``init_container_template``: the operator's, or the file its flag names)."""
     job = with_defaults(job)
     replicas = job["spec"]["pytorchReplicaSpecs"]
     namespace = job["metadata"].get("namespace", "default")
     return [
-        PodPlan(_pod_name(job, rtype, index), rtype, index, replicas[rtype]["template"],
+        PodPlan(_pod_name(job, rtype, index), rtype, index, pod_template(job, rtype, init_container_template),
                 tuple(operator_env(job, rtype, index)), namespace, tuple(operator_labels(job, rtype, index)))
         for rtype in REPLICA_TYPES if rtype in replicas
         for index in range(replicas[rtype]["replicas"])
     ]
+
+
+def pod_template(job: Obj, rtype: str, init_container_template: str) -> Obj:
+    """setInitContainer: a Worker of a job with a Master gets the template's init containers appended after its own
+    (a name already there makes the pod invalid, so a job cannot replace them: only the operator's flag can)."""
+    template = job["spec"]["pytorchReplicaSpecs"][rtype]["template"]
+    if rtype != "Worker" or "Master" not in job["spec"]["pytorchReplicaSpecs"]:
+        return template
+    template = copy.deepcopy(template)
+    values = {"MasterAddr": _pod_name(job, "Master", 0), "InitContainerImage": INIT_CONTAINER_IMAGE,
+              "MaxTries": str(INIT_CONTAINER_MAX_TRIES)}
+    text = re.sub(r"\{\{\s*\.(\w+)\s*\}\}", lambda field: values[field[1]], init_container_template)
+    if "{{" in text:
+        raise AssertionError(f"the init container template uses more than {sorted(values)}: {text}")
+    template["spec"].setdefault("initContainers", []).extend(yaml.safe_load(text))
+    return template
 
 
 def operator_labels(job: Obj, rtype: str, index: int) -> list[tuple[str, str]]:
@@ -167,3 +200,15 @@ def _port(job: Obj, rtype: str) -> int:
                 if port.get("name") == PORT_NAME:
                     return port["containerPort"]
     raise AssertionError(f"{rtype}: no container port named {PORT_NAME!r} on the {CONTAINER!r} container")
+
+
+def retries(restart_policy: str, exit_code: int) -> bool:
+    """Whether a replica's pod that exited with ``exit_code`` is run again (pkg/controller.v1/common/pod.go,
+    ReconcilePods, and IsRetryableExitCode in pkg/util/train/train_util.go): under ExitCode the operator recreates it
+    for codes from 128 on and fails the job for the others; OnFailure and Always restart it whatever the code (the
+    kubelet, in place); Never does not."""
+    if exit_code == 0:
+        return False
+    if restart_policy == "ExitCode":
+        return exit_code >= 128
+    return restart_policy in ("OnFailure", "Always")

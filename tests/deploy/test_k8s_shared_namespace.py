@@ -1,0 +1,56 @@
+"""Several jobs in one namespace: an overlay of any kustomization with a namePrefix and a nameSuffix renders a job
+whose pods find its own ConfigMap and claim, and whose NetworkPolicy selects its own pods (docs/kubernetes.md)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.support.k8s_manifests import KUSTOMIZATIONS, REPO_ROOT, Obj, render
+from tests.support.k8s_operator import pod_plans
+from tests.support.kuberay_pods import rayjob_pods
+from tests.support.trainer_v2 import pod_plans as trainer_v2_pods
+
+RAYJOB_SOURCES = ("k8s/ray", "k8s/overlays/rayjob-streamed-data")
+PREFIX, SUFFIX = "team-a-", "-run2"
+# The label each operator gives the pods of one job, its value the job's name.
+JOB_LABEL = {"PyTorchJob": "training.kubeflow.org/job-name", "TrainJob": "jobset.sigs.k8s.io/jobset-name"}
+
+
+def renamed(source: str, tmp_path: Path) -> list[Obj]:
+    """`kubectl apply -k` on an overlay of ``source`` that only renames: what a second team would write."""
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namePrefix": PREFIX,
+        "nameSuffix": SUFFIX, "resources": [os.path.relpath(REPO_ROOT / source, overlay)]}))
+    return render(overlay.name, tmp_path)
+
+
+def pod_templates(job: Obj) -> list[Obj]:
+    if job["kind"] == "PyTorchJob":
+        return [plan.template for plan in pod_plans(job)]
+    if job["kind"] == "TrainJob":
+        return [plan.template for plan in trainer_v2_pods(job)]
+    return list(rayjob_pods(job).values())
+
+
+@pytest.mark.parametrize("source", (*KUSTOMIZATIONS, *RAYJOB_SOURCES))
+def test_a_renamed_job_refers_to_its_own_objects_and_isolates_its_own_pods(source, tmp_path):
+    objects = renamed(source, tmp_path)
+    names = {(obj["kind"], obj["metadata"]["name"]) for obj in objects}
+    assert all(name.startswith(PREFIX) and name.endswith(SUFFIX) for _, name in names), names
+    (job,) = [obj for obj in objects if obj["kind"] in ("PyTorchJob", "TrainJob", "RayJob")]
+    for template in pod_templates(job):
+        for volume in template["spec"].get("volumes", []):
+            if "configMap" in volume:
+                assert ("ConfigMap", volume["configMap"]["name"]) in names, volume
+            if "persistentVolumeClaim" in volume:
+                assert ("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"]) in names, volume
+    own_pods = {"matchLabels": {JOB_LABEL[job["kind"]]: job["metadata"]["name"]}} if job["kind"] in JOB_LABEL else None
+    for policy in (obj for obj in objects if obj["kind"] == "NetworkPolicy"):
+        assert policy["spec"]["podSelector"] == own_pods
+        assert policy["spec"]["ingress"] == [{"from": [{"podSelector": own_pods}]}]
