@@ -43,7 +43,8 @@ def test_every_object_passes_its_schema_strictly(version, source):
             assert rayjob_errors(obj) == [] and pod_template_errors(obj, version) == []
         else:
             kubernetes_validate.validate(obj, version, strict=True)
-    assert sorted(obj["kind"] for obj in render(source)) == ["ConfigMap", "PersistentVolumeClaim", "RayJob"]
+    kinds = sorted(obj["kind"] for obj in render(source))
+    assert kinds == ["ConfigMap", "NetworkPolicy", "PersistentVolumeClaim", "RayJob"]
 
 
 @pytest.mark.parametrize(("path", "change", "error"), [

@@ -16,8 +16,11 @@ from tests.support.trainer_v2 import pod_plans as trainer_v2_pods
 
 RAYJOB_SOURCES = ("k8s/ray", "k8s/overlays/rayjob-streamed-data")
 PREFIX, SUFFIX = "team-a-", "-run2"
-# The label each operator gives the pods of one job, its value the job's name.
-JOB_LABEL = {"PyTorchJob": "training.kubeflow.org/job-name", "TrainJob": "jobset.sigs.k8s.io/jobset-name"}
+# The labels of one job's pods, the job's name among them: what each operator gives them; for a RayJob, what its
+# templates give them (k8s/ray/networkpolicy.yaml says why).
+JOB_LABELS = {"PyTorchJob": lambda name: {"training.kubeflow.org/job-name": name},
+              "TrainJob": lambda name: {"jobset.sigs.k8s.io/jobset-name": name},
+              "RayJob": lambda name: {"ray.io/originated-from-crd": "RayJob", "ray.io/originated-from-cr-name": name}}
 
 
 def renamed(source: str, tmp_path: Path) -> list[Obj]:
@@ -50,7 +53,10 @@ def test_a_renamed_job_refers_to_its_own_objects_and_isolates_its_own_pods(sourc
                 assert ("ConfigMap", volume["configMap"]["name"]) in names, volume
             if "persistentVolumeClaim" in volume:
                 assert ("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"]) in names, volume
-    own_pods = {"matchLabels": {JOB_LABEL[job["kind"]]: job["metadata"]["name"]}} if job["kind"] in JOB_LABEL else None
+    own_pods = {"matchLabels": JOB_LABELS[job["kind"]](job["metadata"]["name"])}
+    for template in pod_templates(job):
+        if job["kind"] == "RayJob":  # the operators of the others label the pods themselves
+            assert own_pods["matchLabels"].items() <= template["metadata"]["labels"].items()
     for policy in (obj for obj in objects if obj["kind"] == "NetworkPolicy"):
         assert policy["spec"]["podSelector"] == own_pods
-        assert policy["spec"]["ingress"] == [{"from": [{"podSelector": own_pods}]}]
+        assert policy["spec"]["ingress"][0] == {"from": [{"podSelector": own_pods}]}
