@@ -64,7 +64,7 @@ torchx-test: venv ## TorchX: component linter, Kubernetes dry runs, real local_c
 # Benchmarks (bench/): ratios measured in one invocation; timings are reported, never asserted.
 .PHONY: bench bench-quick gpu-bench gpu-bench-smoke
 
-bench: venv data ## benchmark suite, full run (about 17 min on 2 cores): table, JSON, plots in bench/results/
+bench: venv data ## benchmark suite, full run (about 28 min on 2 cores): table, JSON, plots in bench/results/
 	$(BIN)/python -m bench.run
 
 bench-quick: venv data ## benchmark suite, quick mode for CI (2-3 min): bench/results/raw/quick/

@@ -35,6 +35,7 @@ from bench.figures import (
     scaling,
     sharded,
     sharded_checkpoints,
+    streamed_shards,
     sync_bn,
     sync_methods,
     time_to_accuracy,
@@ -64,6 +65,7 @@ FIGURES: dict[str, tuple[str, Callable[[Context], FigureResult]]] = {
     "elastic": (elastic.TITLE, elastic.run),
     "object-store": (object_store.TITLE, object_store.run),
     "ray": (ray_overhead.TITLE, ray_overhead.run),
+    "shards": (streamed_shards.TITLE, streamed_shards.run),
 }
 
 

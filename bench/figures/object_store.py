@@ -22,6 +22,7 @@ from functools import partial
 from typing import IO, Any
 
 from bench.harness.context import Context
+from bench.harness.launch import environment
 from bench.harness.measure import load_average
 from bench.harness.results import FigureResult, Row
 from devtools.s3_server import s3_server
@@ -66,9 +67,7 @@ def run(ctx: Context) -> FigureResult:
     times: dict[str, list[float]] = {"upload": [], "in_place": [], "moved": []}
     with s3_server() as server:
         bucket = server.new_bucket()
-        previous = {name: os.environ.get(name) for name in server.env}
-        os.environ.update(server.env)  # s3fs (botocore) reads the endpoint and the credentials from here
-        try:
+        with environment(server.env):  # s3fs (botocore) reads the endpoint and the credentials from there
             location = f"s3://{bucket}/ckpt"
             in_place = open_storage(location)  # the fsspec backend, as a save to s3:// opens it
             moved = _moved(in_place)
@@ -79,12 +78,6 @@ def run(ctx: Context) -> FigureResult:
                 times["moved"].append(_timed(partial(moved.write, f"step-{2 * step:08d}", writers, _manifest)))
                 times["in_place"].append(_timed(partial(in_place.write, f"step-{2 * step + 1:08d}", writers,
                                                         _manifest)))
-        finally:
-            for name, value in previous.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
     ratio = {way: [spent / upload for spent, upload in zip(times[way], times["upload"], strict=True)]
              for way in ("in_place", "moved")}
     median = {way: statistics.median(values) for way, values in times.items()}

@@ -3,11 +3,13 @@ tests use too), and reading what they wrote."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,22 @@ class TrainerRun:
             raise BenchError(f"the trainer logged {len(self.train_records())} training windows, need more than "
                              f"{warmup_records}: raise --max-steps or lower --log-every")
         return median([record["samples_per_s"] for record in windows])
+
+
+@contextlib.contextmanager
+def environment(values: Mapping[str, str]) -> Iterator[None]:
+    """``values`` in os.environ for the block, then as they were: for this process's own clients (s3fs reads an S3
+    server's endpoint and credentials there) and the processes it starts (clean_env copies os.environ)."""
+    previous = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def run(cmd: Sequence[str], timeout_s: float, env: Mapping[str, str] | None = None,

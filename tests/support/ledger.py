@@ -111,8 +111,8 @@ class ShardLedgerTask(LedgerTask):
         from trainer.data.shards import RetryPolicy, ShardedDataset
 
         retry = RetryPolicy(attempts=self.options.store_attempts, first_backoff_s=0.2)
-        return TaskData(ShardedDataset(self.options.shards, "train", decode_ledger, retry),
-                        ShardedDataset(self.options.shards, "eval", decode_ledger, retry), deterministic_items=True)
+        train, evaluation = ShardedDataset.splits(self.options.shards, ("train", "eval"), decode_ledger, retry)
+        return TaskData(train, evaluation, deterministic_items=True)
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         time.sleep(self.options.step_delay_s)

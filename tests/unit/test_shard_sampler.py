@@ -5,8 +5,10 @@ epoch through a DataLoader keeps the cache within its bound and leaves nothing b
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ from tests.support.ledger import decode_ledger, write_ledger_shards
 from trainer.data.shards import ShardedDataset, ShardedItems
 from trainer.data.shards.fetching import _check_training_bound
 from trainer.data.shards.prefetch import Prefetcher
-from trainer.data.shards.sampler import CacheBound, OrderSettings, ShardedDistributedSampler
+from trainer.data.shards.sampler import BlockSampler, CacheBound, OrderSettings, ShardedDistributedSampler
 from trainer.errors import DataError
 
 
@@ -78,11 +80,15 @@ def test_the_bound_is_checked_against_the_epoch_about_to_start(shards, tmp_path)
         _check_training_bound(resumed)
 
 
-@pytest.mark.parametrize("thread", ["prompt", "slow", "failing"])
-def test_an_epoch_read_through_workers_stays_within_the_bound_and_leaves_nothing(tmp_path, monkeypatch, thread):
-    """600 samples in shards of 10, 2 lanes: the bound holds a few windows, a tenth of the data. Whatever the
-    prefetch thread does (prompt; 50 ms late with every window, as on a loaded machine, so the workers fetch most
-    windows themselves; failing with an unexpected error now and then), the cache stays within the bound."""
+@pytest.mark.parametrize(("reader", "thread"), [("train", "prompt"), ("train", "slow"), ("train", "failing"),
+                                              ("eval", "slow")])
+def test_an_epoch_read_through_workers_stays_within_the_bound_and_leaves_nothing(tmp_path, monkeypatch, reader,
+                                                                                  thread):
+    """600 samples in shards of 10, read by 2 workers: in training 2 lanes, in evaluation (a block of whole shards)
+    the shards held until the workers are past them; the bound is what the sampler says it needs, a tenth of the
+    data. Whatever the prefetch thread does (prompt; 50 ms late with every window, as on a loaded machine, so the
+    workers fetch most windows themselves; failing with an unexpected error now and then), the cache stays within
+    the bound."""
     if thread == "slow":
         fetch = Prefetcher._fetch
         monkeypatch.setattr(Prefetcher, "_fetch", lambda self, window: time.sleep(0.05) or fetch(self, window))
@@ -98,32 +104,69 @@ def test_an_epoch_read_through_workers_stays_within_the_bound_and_leaves_nothing
         monkeypatch.setattr(Prefetcher, "_size", sometimes)
     url = str(tmp_path / "long")
     write_ledger_shards(url, 600, (10,))
-    dealt = sampler(url, 1, 0, batch=5, lanes=2)
-    dataset = dealt.sharded
-    folder = dataset.attach_cache(tmp_path / "cache", "train-rank0")
+    dealt: ShardedDistributedSampler | BlockSampler
+    if reader == "train":
+        dealt = sampler(url, 1, 0, batch=5, lanes=2)
+        dealt.set_epoch(0)
+    else:
+        dealt = BlockSampler(ShardedDataset(url, "train", decode_ledger), 1, 0)
+    dataset = dealt.sharded if isinstance(dealt, ShardedDistributedSampler) else ShardedDataset(url, "train",
+                                                                                              decode_ledger)
+    folder = dataset.attach_cache(tmp_path / "cache", f"{reader}-rank0")
     assert dataset.cache is not None
-    dealt.set_epoch(0)
     lag = (2 * 2 + 2) * 5
     bound = dealt.bytes_needed(lag)
     dealt.prefetcher = Prefetcher(dataset.cache, bound, lag, "rank0")
     loader = DataLoader(ShardedItems(dataset, 0, True), batch_size=5, sampler=dealt, num_workers=2,
                         collate_fn=lambda items: torch.stack([item[0] for item in items]))
-    peak, stop = [0], threading.Event()
-
-    def watch() -> None:
-        while not stop.is_set():
-            peak[0] = max(peak[0], sum(path.stat().st_size for path in folder.glob("*.piece") if path.exists()))
-            time.sleep(0.002)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
     try:
-        seen = torch.cat(list(loader)).tolist()
+        with cache_peak(folder) as peak:
+            seen = torch.cat(list(loader)).tolist()
     finally:
-        stop.set()
-        watcher.join()
         dealt.prefetcher.stop()
     assert sorted(seen) == list(range(600))
     assert 0 < peak[0] <= bound, (peak[0], bound)
     assert bound < 0.15 * sum(entry.bytes for entry in dataset.shards)
     assert sorted(path.name for path in folder.iterdir()) == [".owner.lock", "fetched.log"]
+
+
+@contextlib.contextmanager
+def cache_peak(folder: Path) -> Iterator[list[int]]:
+    """The most bytes of pieces in ``folder`` at once, polled every 2 ms by a thread; an error in it fails the test."""
+    peak, errors, stop = [0], [], threading.Event()
+
+    def size(path: Path) -> int:
+        try:
+            return path.stat().st_size
+        except FileNotFoundError:  # evicted between the listing and the stat
+            return 0
+
+    def watch() -> None:
+        try:
+            while not stop.is_set():
+                peak[0] = max(peak[0], sum(size(path) for path in folder.glob("*.piece")))
+                time.sleep(0.002)
+        except BaseException as error:  # noqa: BLE001 - handed to the test below
+            errors.append(error)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        yield peak
+    finally:
+        stop.set()
+        watcher.join()
+    assert not errors, f"the cache watcher failed: {errors[0]!r}"
+
+
+def test_splits_open_with_one_read_of_the_index_and_one_listing(shards, monkeypatch):
+    from trainer.data.shards.store import ShardStore
+
+    calls: list[str] = []
+    read, sizes = ShardStore.read, ShardStore.sizes
+    monkeypatch.setattr(ShardStore, "read", lambda self, name, *rest: calls.append(name) or read(self, name, *rest))
+    monkeypatch.setattr(ShardStore, "sizes", lambda self: calls.append("(listing)") or sizes(self))
+    train, evaluation = ShardedDataset.splits(shards, ["train", "eval"], decode_ledger)
+    assert calls == ["index.json", "(listing)"]
+    assert (len(train), len(evaluation)) == (145, 8) and train.decode is evaluation.decode is decode_ledger
+    assert train.shards == ShardedDataset(shards, "train").shards and evaluation.split == "eval"

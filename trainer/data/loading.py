@@ -94,11 +94,10 @@ def _load_shards(options: Any, runtime: Runtime, seed: int) -> Splits:
                         "index.json and the tar shards; write them with ddp-shard")
 
     def open_splits() -> Splits:
-        train = ShardedDataset(options.data_dir, "train")
+        train, evaluation = ShardedDataset.splits(options.data_dir, ("train", "eval"))
         info = image_info(train, options.image_size)
-        decode = ImageSample(info.image_size[0], "L" if info.in_channels == 1 else "RGB")
-        train.decode = decode
-        return train, ShardedDataset(options.data_dir, "eval", decode), info
+        train.decode = evaluation.decode = ImageSample(info.image_size[0], "L" if info.in_channels == 1 else "RGB")
+        return train, evaluation, info
 
     train, test, info = _agreed(runtime, open_splits)
     if runtime.identity.is_main:

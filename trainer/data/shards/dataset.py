@@ -22,7 +22,8 @@ import bisect
 import copy
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -46,6 +47,10 @@ log = logging.getLogger(__name__)
 Members = dict[str, bytes]
 
 
+def _read_index(store: ShardStore) -> DatasetIndex:
+    return DatasetIndex.from_json(store.read(INDEX_NAME), store.where(INDEX_NAME))
+
+
 def decode_members(members: Members) -> Members:
     """The default decode: the sample's members as they are (a task's collate_fn makes batches of them)."""
     return members
@@ -57,13 +62,31 @@ class ShardedDataset(Dataset[Any]):
 
     def __init__(self, url: str, split: str = "train", decode: Callable[[Members], Any] = decode_members,
                  retry: RetryPolicy | None = None) -> None:
-        self.store = ShardStore(url, retry)
+        store = ShardStore(url, retry)
+        self._open(store, _read_index(store), store.sizes(), split, decode)
+
+    @classmethod
+    def splits(cls, url: str, names: Sequence[str], decode: Callable[[Members], Any] = decode_members,
+               retry: RetryPolicy | None = None) -> list[ShardedDataset]:
+        """Several splits of one dataset (``["train", "eval"]``), opened with one read of the index and one listing
+        between them: a job's start waits for two requests, not four."""
+        store = ShardStore(url, retry)
+        index, listed = _read_index(store), store.sizes()
+        opened = []
+        for name in names:
+            dataset = cls.__new__(cls)
+            dataset._open(store, index, listed, name, decode)
+            opened.append(dataset)
+        return opened
+
+    def _open(self, store: ShardStore, index: DatasetIndex, listed: dict[str, int], split: str,
+              decode: Callable[[Members], Any]) -> None:
+        self.store = store
         self.split = split
         self.decode = decode
-        index = DatasetIndex.from_json(self.store.read(INDEX_NAME), self.store.where(INDEX_NAME))
-        self.shards: list[ShardEntry] = index.split(split, self.store.where(INDEX_NAME))
+        self.shards: list[ShardEntry] = index.split(split, store.where(INDEX_NAME))
         self.info = index.info
-        self._check_listing(self.store.sizes())
+        self._check_listing(listed)
         self._count(self.shards)
         self.cache: PieceCache | None = None
         self._owner: Any = None  # the cache folder's lock, held by the process that claimed it
@@ -134,6 +157,18 @@ class ShardedDataset(Dataset[Any]):
         order = ShardOrder(self.counts, 0, 0, 0, 1)
         return self.fetch(sample, order.piece_of(sample))
 
+    def fetch_pieces(self, pieces: Collection[Piece]) -> None:
+        """The pieces a batch reads that the cache lacks, fetched side by side (a batch draws from a window of
+        every lane: one after another, the first batch of an epoch would wait for a round trip per lane)."""
+        cache = self._cache()
+        missing = [piece for piece in pieces if not cache.path(piece).exists()]
+        if len(missing) < 2 or cache.fetch_threads < 2:
+            return  # fetched one by one where they are read
+        who = f"pid{os.getpid()}"
+        with ThreadPoolExecutor(min(len(missing), cache.fetch_threads), thread_name_prefix="shard-fetch") as pool:
+            for _ in pool.map(lambda piece: cache.ensure(piece, who), missing):
+                pass  # the first failure is raised here, as the sample's own read would raise it
+
     def fetch(self, sample: int, piece: Piece) -> Any:
         cache = self._cache()
         shard = bisect.bisect_right(self.starts, sample) - 1
@@ -199,7 +234,9 @@ class ShardedItems(SeededItems):
         return encode_key(0, 0, 1, 0, self.size)
 
     def __getitem__(self, key: int) -> Any:
-        epoch, sample, piece = self.locate(key)
+        return self._item(*self.locate(key))
+
+    def _item(self, epoch: int, sample: int, piece: Piece) -> Any:
         if self.deterministic:
             return self.sharded.fetch(sample, piece)
         with isolated() if get_worker_info() is None else nullcontext():
@@ -207,4 +244,6 @@ class ShardedItems(SeededItems):
             return self.sharded.fetch(sample, piece)
 
     def __getitems__(self, keys: list[int]) -> Any:
-        return Fetched([self[key] for key in keys], [self.index(key) for key in keys])
+        located = [self.locate(key) for key in keys]
+        self.sharded.fetch_pieces({piece for _, _, piece in located})
+        return Fetched([self._item(*where) for where in located], [sample for _, sample, _ in located])

@@ -1,8 +1,9 @@
 """Wiring a run's sharded datasets to their node-local caches and prefetchers (called once by trainer.build).
 
-The node's bound (--shard-cache-gb) is shared by its ranks; each rank gives three quarters of its share to training
-and a quarter to evaluation, which holds one shard's worth at a time. A bound too small for the lanes a rank reads
-side by side is refused before the first step, on every rank alike.
+The node's bound (--shard-cache-gb) is shared equally by its ranks. Of a rank's share, evaluation takes what its
+reads need at most (whole shards, held until the DataLoader's workers are past them: known from the evaluation
+set's shard sizes alone), and training the rest. A bound too small for either is refused before the first step,
+on every rank alike; training's need is checked again as each epoch starts (its lanes may change).
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader
 
 from trainer.data.locate import DEFAULT_CACHE
+from trainer.data.shards.cache import MAX_FETCH_THREADS
 from trainer.data.shards.dataset import ShardedItems
 from trainer.data.shards.prefetch import Prefetcher
 from trainer.data.shards.sampler import BlockSampler, CacheBound, ShardedDistributedSampler
@@ -22,9 +25,6 @@ from trainer.errors import DataError
 
 __all__ = ["check_epoch_bound", "start_fetching", "stop_fetching"]
 
-TRAINING_SHARE = 0.75
-
-
 def start_fetching(settings: Any, runtime: Runtime, train_loader: DataLoader[Any], eval_loader: DataLoader[Any]
                    ) -> None:
     """``settings``: the run's DataConfig (its --shard-* values)."""
@@ -33,32 +33,39 @@ def start_fetching(settings: Any, runtime: Runtime, train_loader: DataLoader[Any
     if not loaders:
         return
     identity = runtime.identity
-    share = settings.shard_cache_gb * 1e9 / max(1, identity.local_world_size)
+    share = int(settings.shard_cache_gb * 1e9 / max(1, identity.local_world_size))
     parent = Path(settings.shard_cache_dir or Path(DEFAULT_CACHE) / "shards").expanduser()
+    fetch_threads = max(1, min(MAX_FETCH_THREADS, torch.get_num_threads()))  # the rank's share of the cores
 
     def attach() -> None:
-        for role, loader in loaders:
+        evaluation = 0  # what evaluation holds at most; training gets the rest of the share
+        for role, loader in sorted(loaders, key=lambda pair: pair[0] != "eval"):  # evaluation's need first
             items = loader.dataset
             assert isinstance(items, ShardedItems)
             dataset = items.sharded
             dataset.store.retry = RetryPolicy(attempts=settings.shard_retries)
             dataset.attach_cache(parent, f"{role}-rank{identity.local_rank}")
             assert dataset.cache is not None and loader.batch_size is not None
+            dataset.cache.fetch_threads = fetch_threads
             in_flight = (loader.prefetch_factor or 2) * loader.num_workers if loader.num_workers else 0
             lag = (in_flight + 2) * loader.batch_size
             sampler = loader.sampler
-            bound = int(share * (TRAINING_SHARE if role == "train" else 1 - TRAINING_SHARE))
             assert isinstance(sampler, ShardedDistributedSampler | BlockSampler)
-            sampler.prefetcher = Prefetcher(dataset.cache, bound, lag, f"rank{identity.rank}")
-            if isinstance(sampler, ShardedDistributedSampler):
-                sampler.bound = CacheBound(settings.shard_cache_gb, identity.rank, identity.local_world_size)
-                _check_training_bound(sampler)
+            if isinstance(sampler, BlockSampler):
+                evaluation = sampler.bytes_needed(lag)
+                if evaluation > share:
+                    raise DataError(
+                        f"--shard-cache-gb {settings.shard_cache_gb:g}: rank {identity.rank} needs "
+                        f"{_size(evaluation)} of evaluation shards open at once (whole shards, each held until its "
+                        f"DataLoader workers are {lag} samples past it), more than its {_size(share)} share of the "
+                        f"node's bound ({identity.local_world_size} rank(s)); raise --shard-cache-gb, write smaller "
+                        f"shards, or lower --eval-batch-size or --num-workers")
+                sampler.prefetcher = Prefetcher(dataset.cache, evaluation, lag, f"rank{identity.rank}")
             else:
-                largest = max(entry.bytes for entry in dataset.shards)
-                if largest > bound:
-                    raise DataError(f"--shard-cache-gb {settings.shard_cache_gb:g}: the evaluation set's largest shard "
-                                    f"({_size(largest)}) does not fit the {_size(bound)} this rank evaluates with; "
-                                    f"raise --shard-cache-gb or write smaller shards")
+                sampler.prefetcher = Prefetcher(dataset.cache, share - evaluation, lag, f"rank{identity.rank}")
+                sampler.bound = CacheBound(settings.shard_cache_gb, identity.rank, identity.local_world_size,
+                                           evaluation)
+                _check_training_bound(sampler)
 
     agreed(runtime, attach, DataError, long_work="the sharded datasets' caches")
 
@@ -76,12 +83,13 @@ def _check_training_bound(sampler: ShardedDistributedSampler) -> None:
     assert prefetcher is not None and bound is not None
     needed = sampler.bytes_needed(prefetcher.lag_samples)
     if needed > prefetcher.bound_bytes:
+        evaluation = f", less the {_size(bound.evaluation_bytes)} evaluation holds" if bound.evaluation_bytes else ""
         raise DataError(
             f"--shard-cache-gb {bound.flag_gb:g}: rank {bound.rank} needs {_size(needed)} of shards open at once in "
             f"epoch {sampler.epoch + 1} ({sampler.lanes} lanes over {sampler.num_replicas} rank(s), windows of "
-            f"{sampler.window} samples), more than the {_size(prefetcher.bound_bytes)} it trains with "
-            f"({TRAINING_SHARE:.0%} of the node's bound over its {bound.local_world_size} rank(s)); raise "
-            f"--shard-cache-gb, or lower --shard-window or --shard-lanes")
+            f"{sampler.window} samples), more than the {_size(prefetcher.bound_bytes)} it trains with (its share "
+            f"of the node's bound over {bound.local_world_size} rank(s){evaluation}); raise --shard-cache-gb, or "
+            f"lower --shard-window or --shard-lanes")
 
 
 def _size(count: int) -> str:

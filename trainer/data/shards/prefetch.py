@@ -2,7 +2,7 @@
 
 The plan is computed from the order alone: rank ``r`` of ``W`` reads positions ``start + r + k*W`` (its k-th
 sample), so for every window of every lane the first and last ``k`` at which this rank reads it are known before
-the epoch starts (a linear congruence per lane; O(windows), never O(samples)). The prefetcher, a thread of the
+the epoch starts (a linear congruence per lane; O(windows), never O(samples)). The prefetcher, threads of the
 rank's main process, fetches windows in the order they are first needed while the bytes held stay within the
 bound, and deletes a window's pieces once the sampler has handed out indices far enough past its last use that
 every DataLoader worker has read it (the loader runs at most ``prefetch_factor * workers`` batches ahead).
@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -87,11 +88,12 @@ def bytes_open_at_once(plan: list[PlannedWindow], lag_samples: int, size_of: Cal
 
 
 class Prefetcher:
-    """Fetches the plan's windows ahead of the sampler (a thread), and deletes the read ones in the sampler's own
-    thread as it hands out indices: every window of the plan whose last read is far enough behind, whoever fetched
-    it (the thread, or a worker that got there first), so deletion never waits for the thread to be scheduled, and
-    what the cache holds is what the plan reads at that moment. A window whose fetch failed is held all the same: the
-    worker that reads it meets the error itself and ends the run where the loop sees it."""
+    """Fetches the plan's windows ahead of the sampler (``cache.fetch_threads`` threads, each taking the first window
+    not yet taken), and deletes the read ones in the sampler's own thread as it hands out indices: every window of
+    the plan whose last read is far enough behind, whoever fetched it (a thread, or a worker that got there first),
+    so deletion never waits for a thread to be scheduled, and what the cache holds is what the plan reads at that
+    moment. A window whose fetch failed is held all the same: the worker that reads it meets the error itself and
+    ends the run where the loop sees it."""
 
     def __init__(self, cache: PieceCache, bound_bytes: int, lag_samples: int, who: str) -> None:
         self.cache = cache
@@ -110,7 +112,7 @@ class Prefetcher:
         self._read_before = -1  # every sample of the plan before this one has been read by the workers
         self._evicted_shards: set[int] = set()
         self._stopped = False
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._cursor, self._cursor_generation = 0, -1  # where _next_unfetched resumes its scan
 
     def begin(self, key: object, make_plan: Callable[[], list[PlannedWindow]]) -> None:
@@ -128,9 +130,10 @@ class Prefetcher:
             self._generation += 1
             self._drop_everything()
             self._wake.notify_all()
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="shard-prefetch", daemon=True)
-            self._thread.start()
+        self._threads = [thread for thread in self._threads if thread.is_alive()]
+        while len(self._threads) < self.cache.fetch_threads:
+            self._threads.append(threading.Thread(target=self._run, name="shard-prefetch", daemon=True))
+            self._threads[-1].start()
 
     def dispatched(self, k: int) -> None:
         """The sampler hands out this rank's k-th sample of the plan: every window read to its end ``lag_samples``
@@ -155,8 +158,9 @@ class Prefetcher:
         with self._wake:
             self._stopped = True
             self._wake.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=2)  # a fetch in flight is not waited for: the process is ending
+        deadline = time.monotonic() + 2  # a fetch in flight is not waited for: the process is ending
+        for thread in self._threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
         with self._wake:
             self._drop_everything()
 
@@ -190,8 +194,8 @@ class Prefetcher:
         # sampler's thread takes at every index it hands out.
         size, failure = self._size(window)
         with self._wake:
-            if generation != self._generation or self._stopped:
-                return True
+            if generation != self._generation or self._stopped or fetched_to in self._held:
+                return True  # a new plan, or another thread took this window meanwhile
             held = sum(size for _, size in self._held.values())
             if self._held and held + size > self.bound_bytes:
                 self._wake.wait(timeout=1.0)  # until a window is read and deleted

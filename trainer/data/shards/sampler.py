@@ -17,8 +17,7 @@ import torch
 
 from trainer.data.shards.dataset import ShardedDataset, encode_key
 from trainer.data.shards.order import ShardOrder, auto_lanes
-from trainer.data.shards.prefetch import Prefetcher, bytes_open_at_once, rank_plan
-from trainer.errors import DataError
+from trainer.data.shards.prefetch import PlannedWindow, Prefetcher, bytes_open_at_once, rank_plan
 from trainer.sampler import ResumableDistributedSampler
 
 __all__ = ["BlockSampler", "CacheBound", "OrderSettings", "ShardedDistributedSampler"]
@@ -39,6 +38,7 @@ class CacheBound:
     flag_gb: float
     rank: int
     local_world_size: int
+    evaluation_bytes: int = 0  # of the rank's share, what evaluation holds at most: training has the rest
 
 
 class ShardedDistributedSampler(ResumableDistributedSampler):
@@ -120,6 +120,7 @@ class BlockSampler(torch.utils.data.Sampler[int]):
         size = len(dataset)
         self.first, self.end = rank * size // num_replicas, (rank + 1) * size // num_replicas
         self.counts = dataset.counts
+        self.shards = dataset.shards
         self.prefetcher: Prefetcher | None = None
         # Each evaluation is a plan of its own, counted when one is read to its end: the first-batch check's look at
         # the first keys and the first evaluation share one.
@@ -128,9 +129,7 @@ class BlockSampler(torch.utils.data.Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         prefetcher = self.prefetcher
         if prefetcher is not None:
-            prefetcher.begin(("eval", self._rounds), lambda: [
-                window for window in rank_plan(ShardOrder(self.counts, 0, 0, 0, 1), self.first, 0, 1)
-                if window.first < self.end - self.first])
+            prefetcher.begin(("eval", self._rounds), self.plan)
         for k, sample in enumerate(range(self.first, self.end)):
             if prefetcher is not None:
                 prefetcher.dispatched(k)
@@ -140,12 +139,13 @@ class BlockSampler(torch.utils.data.Sampler[int]):
     def __len__(self) -> int:
         return self.end - self.first
 
+    def plan(self) -> list[PlannedWindow]:
+        """The block's shards, each a window read from its first sample here to its last."""
+        return [window for window in rank_plan(ShardOrder(self.counts, 0, 0, 0, 1), self.first, 0, 1)
+                if window.first < self.end - self.first]
 
-def check_cache_bound(needed: int, bound: int, sampler: ShardedDistributedSampler, flag_value: float) -> None:
-    if needed > bound:
-        raise DataError(
-            f"--shard-cache-gb {flag_value:g}: this rank needs {needed / 1e9:.2f} GB of shards open at once "
-            f"({sampler.lanes} lanes over {sampler.num_replicas} rank(s), windows of {sampler.window} samples), more "
-            f"than its share of the bound ({bound / 1e9:.2f} GB); raise --shard-cache-gb, or lower --shard-window "
-            f"or --shard-lanes")
-
+    def bytes_needed(self, lag_samples: int) -> int:
+        """The most bytes an evaluation holds at once: a shard is held from its first read until ``lag_samples``
+        after its last (the workers read ahead), so small shards are held several at a time."""
+        return bytes_open_at_once(self.plan(), lag_samples,
+                                  lambda window: sum(self.shards[piece.shard].bytes for piece in window.pieces))
