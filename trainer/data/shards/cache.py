@@ -43,10 +43,11 @@ _SIDECARS_KEPT = 32
 
 # Pieces fetched at once, by a rank's prefetcher or by a batch's read: an object store answers each request after a
 # round trip (tens of ms), so requests side by side fill the link, and the first windows of an epoch (one per lane
-# the rank reads) arrive together rather than one round trip after another. Each request also costs the rank's
-# process CPU (signing, checksums: a few ms in Python), so a rank fetches with no more threads than its share of the
-# cores (trainer.data.shards.fetching): on a 2-core machine with 2 ranks and the store beside them, one thread each
-# reached the first step sooner than four (6.6-7.3 s against 7.9-8.4 s).
+# the rank reads) arrive together rather than one round trip after another. Each request also costs CPU (signing,
+# checksums: a few ms in Python), so each process (a rank's prefetcher, and each of its DataLoader workers for the
+# pieces of its batch) fetches with no more threads than the rank's share of the cores (trainer.data.shards.fetching):
+# on a 2-core machine with 2 ranks and the store beside them, one thread each reached the first step sooner than four
+# (6.6-7.3 s against 7.9-8.4 s).
 MAX_FETCH_THREADS = 4
 
 def claim_folder(parent: Path, name: str) -> tuple[Path, IO[bytes]]:

@@ -54,10 +54,11 @@ def start_fetching(settings: Any, runtime: Runtime, train_loader: DataLoader[Any
             if isinstance(sampler, BlockSampler):
                 evaluation = sampler.bytes_needed(lag)
                 if evaluation > share:
+                    needed, available = _sizes(evaluation, share)
                     raise DataError(
                         f"--shard-cache-gb {settings.shard_cache_gb:g}: rank {identity.rank} needs "
-                        f"{_size(evaluation)} of evaluation shards open at once (whole shards, each held until its "
-                        f"DataLoader workers are {lag} samples past it), more than its {_size(share)} share of the "
+                        f"{needed} of evaluation shards open at once (whole shards, each held until its "
+                        f"DataLoader workers are {lag} samples past it), more than its {available} share of the "
                         f"node's bound ({identity.local_world_size} rank(s)); raise --shard-cache-gb, write smaller "
                         f"shards, or lower --eval-batch-size or --num-workers")
                 sampler.prefetcher = Prefetcher(dataset.cache, evaluation, lag, f"rank{identity.rank}")
@@ -83,17 +84,25 @@ def _check_training_bound(sampler: ShardedDistributedSampler) -> None:
     assert prefetcher is not None and bound is not None
     needed = sampler.bytes_needed(prefetcher.lag_samples)
     if needed > prefetcher.bound_bytes:
+        shown_needed, shown_bound = _sizes(needed, prefetcher.bound_bytes)
         evaluation = f", less the {_size(bound.evaluation_bytes)} evaluation holds" if bound.evaluation_bytes else ""
+        smaller_evaluation = ", --eval-batch-size or --num-workers" if bound.evaluation_bytes else ""
         raise DataError(
-            f"--shard-cache-gb {bound.flag_gb:g}: rank {bound.rank} needs {_size(needed)} of shards open at once in "
+            f"--shard-cache-gb {bound.flag_gb:g}: rank {bound.rank} needs {shown_needed} of shards open at once in "
             f"epoch {sampler.epoch + 1} ({sampler.lanes} lanes over {sampler.num_replicas} rank(s), windows of "
-            f"{sampler.window} samples), more than the {_size(prefetcher.bound_bytes)} it trains with (its share "
-            f"of the node's bound over {bound.local_world_size} rank(s){evaluation}); raise --shard-cache-gb, or "
-            f"lower --shard-window or --shard-lanes")
+            f"{sampler.window} samples), more than the {shown_bound} it trains with (its share of the node's bound "
+            f"over {bound.local_world_size} rank(s){evaluation}); raise --shard-cache-gb, or lower --shard-window, "
+            f"--shard-lanes{smaller_evaluation}")
 
 
 def _size(count: int) -> str:
     return f"{count / 1e9:.2f} GB" if count >= 1e9 else f"{count / 1e6:.1f} MB"
+
+
+def _sizes(needed: int, available: int) -> tuple[str, str]:
+    """The two sides of a refusal, in bytes where rounding would print them alike."""
+    shown = _size(needed), _size(available)
+    return shown if shown[0] != shown[1] else (f"{needed:,} bytes", f"{available:,} bytes")
 
 
 def stop_fetching(*loaders: DataLoader[Any]) -> None:

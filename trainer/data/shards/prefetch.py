@@ -14,7 +14,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from trainer.data.shards.cache import PieceCache
@@ -114,6 +114,8 @@ class Prefetcher:
         self._stopped = False
         self._threads: list[threading.Thread] = []
         self._cursor, self._cursor_generation = 0, -1  # where _next_unfetched resumes its scan
+        self._taken: set[int] = set()  # windows a thread is sizing, reserving or fetching; of _taken_generation
+        self._taken_generation = -1
 
     def begin(self, key: object, make_plan: Callable[[], list[PlannedWindow]]) -> None:
         """The plan of an epoch from a position (``key`` names them). Everything of the last plan is deleted here,
@@ -180,28 +182,45 @@ class Prefetcher:
                     self._wake.wait(timeout=1.0)
 
     def _fetch_next(self) -> bool:
-        """Fetch the plan's next window if the bound has room for it, or wait; False once stopped."""
+        """Take the plan's first window that no thread has taken, size it, reserve room for it in plan order once
+        the bound has room, and fetch it; False once stopped. Threads size and fetch side by side, but reserve one
+        after another in the plan's order: a later window never takes the room an earlier one needs (the workers
+        would then fetch that one themselves, past the bound)."""
         with self._wake:
             if self._stopped:
                 return False
+            if self._taken_generation != self._generation:
+                self._taken, self._taken_generation = set(), self._generation
             generation, plan = self._generation, self._plan
-            fetched_to = self._next_unfetched()
-            if fetched_to >= len(plan):
+            index = self._next_untaken()
+            if index >= len(plan):
                 self._wake.wait(timeout=1.0)
                 return True
-            window = plan[fetched_to]
-        # Sizes need the shards' own indexes, which may come from the store: never under the lock, which the
-        # sampler's thread takes at every index it hands out.
-        size, failure = self._size(window)
-        with self._wake:
-            if generation != self._generation or self._stopped or fetched_to in self._held:
-                return True  # a new plan, or another thread took this window meanwhile
-            held = sum(size for _, size in self._held.values())
-            if self._held and held + size > self.bound_bytes:
-                self._wake.wait(timeout=1.0)  # until a window is read and deleted
-                return True
-            self._held[fetched_to] = (window, size)  # held before it is fetched: a sweep meanwhile deletes it
-            self.peak_bytes = max(self.peak_bytes, held + size)
+            self._taken.add(index)
+            window = plan[index]
+        reserved = False
+        try:
+            # Sizes need the shards' own indexes, which may come from the store: never under the lock, which the
+            # sampler's thread takes at every index it hands out.
+            size, failure = self._size(window)
+            with self._wake:
+                while True:
+                    if generation != self._generation or self._stopped or window.last < self._read_before:
+                        return True  # a new plan, or the workers read past it meanwhile: not fetched
+                    held = sum(size for _, size in self._held.values())
+                    if self._next_unfetched() == index and (not self._held or held + size <= self.bound_bytes):
+                        break
+                    self._wake.wait(timeout=1.0)  # for an earlier window's reservation, or a deletion
+                self._held[index] = (window, size)  # held before it is fetched: a sweep meanwhile deletes it
+                reserved = True
+                self.peak_bytes = max(self.peak_bytes, held + size)
+                self._wake.notify_all()  # the next window's thread may reserve now
+        finally:
+            if not reserved:
+                with self._wake:
+                    if generation == self._generation:
+                        self._taken.discard(index)  # another thread may take it again
+                    self._wake.notify_all()
         if failure is None:
             failure = self._fetch(window)
         if failure is not None:
@@ -209,9 +228,14 @@ class Prefetcher:
             log.warning("%s: prefetching a window failed (%s); the loader's workers fetch it themselves",
                         self.who, described(failure))
         with self._wake:
-            if generation != self._generation or fetched_to not in self._held:
-                # A new plan began, or the sweep passed this window, while it was fetched: its pieces go now.
-                self._evict(window)
+            if generation != self._generation:
+                # A new plan began while this was fetched: its pieces go now, but those the new plan holds or is
+                # fetching (the same piece, fetched again after the new plan emptied the cache) stay.
+                current = {piece for held_window, _ in self._held.values() for piece in held_window.pieces}
+                current.update(piece for taken in self._taken for piece in self._plan[taken].pieces)
+                self._evict(window, keep=current)
+            elif index not in self._held:
+                self._evict(window)  # the sweep passed it while it was fetched
         return True
 
     def _next_unfetched(self) -> int:
@@ -220,6 +244,14 @@ class Prefetcher:
         while index < len(self._plan) and (index in self._held or self._plan[index].last < self._read_before):
             index += 1
         self._cursor, self._cursor_generation = index, self._generation
+        return index
+
+    def _next_untaken(self) -> int:
+        """The first window of the plan that no thread has taken, not held and not read already (under the lock)."""
+        index = self._next_unfetched()
+        while index < len(self._plan) and (index in self._held or index in self._taken
+                                           or self._plan[index].last < self._read_before):
+            index += 1
         return index
 
     def _size(self, window: PlannedWindow) -> tuple[int, BaseException | None]:
@@ -231,6 +263,8 @@ class Prefetcher:
     def _fetch(self, window: PlannedWindow) -> BaseException | None:
         try:
             for piece in window.pieces:
+                if window.last < self._read_before:  # read (and deleted) already, by the workers' own fetches
+                    break
                 self.cache.ensure(piece, self.who)
         except (DataError, OSError) as error:
             return error
@@ -241,10 +275,11 @@ class Prefetcher:
         self._evicted_shards.clear()
         self.cache.evict_all()
 
-    def _evict(self, window: PlannedWindow) -> None:
-        for piece in window.pieces:
+    def _evict(self, window: PlannedWindow, keep: Collection[Piece] = ()) -> None:
+        gone = [piece for piece in window.pieces if piece not in keep]
+        for piece in gone:
             self.cache.evict(piece)
-        self._evicted_shards.update(piece.shard for piece in window.pieces)
+        self._evicted_shards.update(piece.shard for piece in gone)
 
     def _evict_indexes(self) -> None:
         """The shard indexes of evicted pieces that no held window reads: the cache holds O(open windows), never

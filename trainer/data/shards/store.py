@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -48,12 +49,24 @@ class ShardStore:
         self._fs: Any = None
         self._root = ""
         self._pid = -1
+        self._opening = threading.Lock()  # one client per process, though several threads ask for it at once
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_fs": None, "_pid": -1}
+        return {**self.__dict__, "_fs": None, "_pid": -1, "_opening": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._opening = threading.Lock()
 
     def _filesystem(self) -> tuple[Any, str]:
+        if self._fs is not None and self._pid == os.getpid():
+            return self._fs, self._root
+        with self._opening:
+            return self._open_filesystem()
+
+    def _open_filesystem(self) -> tuple[Any, str]:
         if self._fs is None or self._pid != os.getpid():
+            self._fs = None  # an inherited client (a fork) is never used here: the check above sees no client
             import fsspec
 
             protocol = self.url.split("://", 1)[0] if "://" in self.url else "file"
@@ -64,14 +77,15 @@ class ShardStore:
                 options["config_kwargs"] = {"connect_timeout": min(10.0, timeout), "read_timeout": timeout,
                                             "retries": {"total_max_attempts": 1}}
             try:
-                self._fs, self._root = fsspec.core.url_to_fs(self.url, **options)
+                fs, root = fsspec.core.url_to_fs(self.url, **options)
             except (ImportError, ValueError) as error:
                 raise DataError(f"--data-dir {self.shown}: no filesystem for this URL ({error}); install its fsspec "
                                 f"package (s3fs for s3://, gcsfs for gs://) or use a local folder") from None
-            self._root = self._root.rstrip("/")
-            self._pid = os.getpid()
-            if hasattr(self._fs, "retries"):  # s3fs retries 5 times by itself, each up to the timeout: ours bound it
-                self._fs.retries = 1
+            if hasattr(fs, "retries"):  # s3fs retries 5 times by itself, each up to the timeout: ours bound it
+                fs.retries = 1
+            # The client last, ready: another thread's check without the lock sees it whole or not at all.
+            self._root, self._pid = root.rstrip("/"), os.getpid()
+            self._fs = fs
         return self._fs, self._root
 
     def where(self, name: str) -> str:
