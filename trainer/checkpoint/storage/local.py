@@ -141,6 +141,12 @@ class LocalStorage(CheckpointStorage):
         except (FileExistsError, NotADirectoryError):
             raise CheckpointError(f"checkpoint folder {self.root} cannot be created: a file is in the way on that "
                                   f"path; choose another --checkpoint-dir or move the file") from None
+        except PermissionError as error:
+            raise CheckpointError(
+                f"checkpoint folder {self.root} is not writable ({error.strerror or error}): "
+                f"{_who_may_write(self.root)}; give this user write access there (a Kubernetes file share: "
+                f"docs/kubernetes.md, Storage) or choose another --checkpoint-dir"
+            ) from None
         except OSError as error:
             raise CheckpointError(
                 f"checkpoint folder {self.root} is not writable ({error.strerror or error}); "
@@ -197,3 +203,21 @@ def fsync_dir(path: Path) -> None:
     finally:
         os.close(descriptor)
 
+
+def _who_may_write(folder: Path) -> str:
+    """Who this process is, against the owner and mode of the nearest folder on the way that exists: what a refused
+    write needs to be fixed (a share mounted with another owner is the usual cause, where fsGroup is not applied)."""
+    who = f"this process runs as uid {os.getuid()}, gid {os.getgid()}"
+    path = folder
+    while True:
+        try:
+            info = path.stat()
+            break
+        except FileNotFoundError:
+            if path == path.parent:
+                return who
+            path = path.parent
+        except OSError:  # a folder on the way that this user may not enter
+            return f"{who}, which may not enter {path.parent}"
+    return (f"{who} (groups {', '.join(map(str, os.getgroups())) or 'none more'}), and {path} is owned by uid "
+            f"{info.st_uid}, gid {info.st_gid}, mode {stat.S_IMODE(info.st_mode):o}")
