@@ -110,10 +110,11 @@ kind-test: ## wait for the kind job to succeed or fail, print its logs
 kind-down: ## delete the kind cluster
 	scripts/kind-cluster.sh down
 
-# IMAGE only when given (command line or environment): without it, k8s/pytorchjob.yaml is brought in line.
-k8s-image: ## point every Kubernetes manifest at IMAGE [and CUDA_IMAGE]: make k8s-image IMAGE=registry.example.com/team/ddp-deploy:0.1.0
+# IMAGE and CUDA_IMAGE only when given (command line or environment), not their defaults below: without
+# either, k8s/pytorchjob.yaml is brought in line; IMAGE alone points the GPU overlays at its tag with -cuda.
+k8s-image: ## point every Kubernetes manifest, GPU overlays included, at IMAGE: make k8s-image IMAGE=registry.example.com/team/ddp-deploy:0.1.0
 	"$(PYTHON)" scripts/k8s_image.py $(if $(filter-out default file,$(origin IMAGE)),--image '$(IMAGE)') \
-	  $(if $(CUDA_IMAGE),--cuda-image '$(CUDA_IMAGE)')
+	  $(if $(and $(CUDA_IMAGE),$(filter-out default file,$(origin CUDA_IMAGE))),--cuda-image '$(CUDA_IMAGE)')
 
 # Slurm (slurm/train.sbatch). A local cluster: two emulated nodes on this machine, as CI runs the tests on.
 .PHONY: slurm-up slurm-down slurm-test
@@ -130,6 +131,9 @@ slurm-test: venv ## slurm/train.sbatch on the cluster: 2 nodes x 2 tasks, requeu
 # the environment, the command line (make compose-up NODES=3) or .env; see .env.example.
 .PHONY: image push compose-up compose-down compose-test
 IMAGE ?= ddp-deploy:latest
+# The CUDA build the GPU overlays run (docs/containers.md builds it under this name); empty: `make push` pushes
+# the CPU image alone.
+CUDA_IMAGE ?= ddp-deploy:cuda
 REGISTRY ?=
 
 # Through compose.yaml's build section, so that `make image`, `docker compose up` and CI build alike; its
@@ -138,8 +142,8 @@ REGISTRY ?=
 image: ## build the trainer image IMAGE: CPU torch by default; GPU and offline builds: BUILD_* in .env.example
 	GIT_COMMIT=$$(scripts/image-revision.sh) IMAGE=$(IMAGE) docker compose build node
 
-push: ## push IMAGE as REGISTRY/ddp-deploy:VERSION and :sha-COMMIT (make image push REGISTRY=registry.example.com/team)
-	scripts/push-image.sh "$(IMAGE)" "$(REGISTRY)"
+push: ## push IMAGE as REGISTRY/ddp-deploy:VERSION and :sha-COMMIT, CUDA_IMAGE as :VERSION-cuda and :sha-COMMIT-cuda
+	scripts/push-image.sh "$(IMAGE)" "$(REGISTRY)" "$(CUDA_IMAGE)"
 
 compose-up: ## NODES (2) containers x RANKS_PER_NODE (2) ranks train together; run again to resume
 	IMAGE=$(IMAGE) docker compose up

@@ -7,6 +7,10 @@ k8s/` sends.
     python3 scripts/k8s_image.py            # only bring k8s/pytorchjob.yaml in line with the component
     python3 scripts/k8s_image.py --check    # exit 1 when k8s/pytorchjob.yaml is out of line
 
+One setting serves every job: --image alone also points the GPU overlays at the same name and tag with `-cuda`
+appended (registry.example.com/team/ddp-deploy:0.1.0-cuda), the tag `make push` gives the CUDA build;
+--cuda-image names another.
+
 The manifests name the image by a placeholder (`ddp-deploy`, and `ddp-deploy-cuda` in the GPU overlays);
 k8s/components/image/kustomization.yaml maps each placeholder to a real reference, and every kustomization
 (the base, the overlays, the TrainJob) applies it. `kubectl apply -f k8s/` runs no kustomize, so
@@ -58,6 +62,14 @@ class Image:
     def __str__(self) -> str:
         return self.name + (f":{self.tag}" if self.tag else "") + (f"@{self.digest}" if self.digest else "")
 
+    def cuda_build(self) -> Image:
+        """The CUDA build pushed beside this CPU image: `make push` tags it TAG-cuda (scripts/push-image.sh)."""
+        if self.tag is None:
+            raise ImageError(f"IMAGE={self} names its image by digest alone, so the CUDA build's cannot be derived "
+                             "from it: give CUDA_IMAGE too (e.g. CUDA_IMAGE=registry.example.com/team/"
+                             "ddp-deploy:0.1.0-cuda)")
+        return Image(self.name, f"{self.tag}-cuda", None)
+
     def kustomize_entry(self, placeholder: str) -> str:
         fields = [f"  - name: {placeholder}", f"    newName: {self.name}"]
         fields += [f'    newTag: "{self.tag}"'] if self.tag else []
@@ -78,7 +90,7 @@ def read_component() -> dict[str, Image]:
 def component_text(images: dict[str, Image]) -> str:
     return f"""# The images every job runs: the one place that names them. The manifests use the placeholders below
 # (`{CPU}`; `{CUDA}` in the GPU overlays) and every kustomization applies this component. Change it with
-#   make k8s-image IMAGE=registry.example.com/team/ddp-deploy:0.1.0 [CUDA_IMAGE=...:0.1.0-cuda]
+#   make k8s-image IMAGE=registry.example.com/team/ddp-deploy:0.1.0 [CUDA_IMAGE=...; default :0.1.0-cuda]
 # which also rewrites k8s/pytorchjob.yaml, the copy `kubectl apply -f k8s/` sends (no kustomize there).
 apiVersion: kustomize.config.k8s.io/v1alpha1
 kind: Component
@@ -103,7 +115,8 @@ def plain_job_text(image: Image) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--image", help="the CPU image, e.g. registry.example.com/team/ddp-deploy:0.1.0")
-    parser.add_argument("--cuda-image", help="the CUDA image the GPU overlays run")
+    parser.add_argument("--cuda-image", help="the CUDA image the GPU overlays run (default with --image: its tag "
+                        "with -cuda appended)")
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if the files disagree")
     args = parser.parse_args(argv)
     try:
@@ -112,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             images[CPU] = Image.parse(args.image, "IMAGE")
         if args.cuda_image:
             images[CUDA] = Image.parse(args.cuda_image, "CUDA_IMAGE")
+        elif args.image:
+            images[CUDA] = images[CPU].cuda_build()
         wanted = {COMPONENT: component_text(images), PLAIN_JOB: plain_job_text(images[CPU])}
     except ImageError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -641,8 +641,10 @@ def test_make_push_tags_the_image_with_the_version_and_the_commit_and_pushes_bot
     tag, context = labelled_image
     head = git_head(clean_clone)
     image_id = build_labelled(tag, context, head)
+    # CUDA_IMAGE= : the CPU image alone; both builds are pushed in tests/deploy/test_k8s_images.py.
     result = subprocess.run(["make", "--no-print-directory", "-C", str(clean_clone), "push", f"IMAGE={tag}",
-                             f"REGISTRY={registry}/team"], capture_output=True, text=True, timeout=300, check=False)
+                             f"REGISTRY={registry}/team", "CUDA_IMAGE="], capture_output=True, text=True, timeout=300,
+                            check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     version = re.search(r'^version = "(.+)"$', (REPO_ROOT / "pyproject.toml").read_text(), re.M).group(1)
     expected = {version, f"sha-{head[:12]}"}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import shutil
 import subprocess
 import sys
 import urllib.parse
@@ -25,7 +24,9 @@ from tests.support.k8s_manifests import (
     TRAINJOB_SOURCES,
     Obj,
     config_maps,
+    copy_for_make,
     images,
+    make_k8s_image,
     of_kind,
     render,
 )
@@ -72,7 +73,7 @@ def test_kubectl_apply_on_the_folder_sends_the_job_its_config_and_its_volume():
     objects = render(PLAIN_DIR)
     assert sorted((o["kind"], o["metadata"]["name"]) for o in objects) == [
         ("ConfigMap", "ddp-train-config"), ("NetworkPolicy", "ddp-train"),
-        ("PersistentVolumeClaim", "ddp-train-storage"), ("PyTorchJob", "ddp-train")]
+        ("PersistentVolumeClaim", "ddp-train-storage"), ("PyTorchJob", "ddp-train"), ("ServiceAccount", "ddp-train")]
     applied = [p for p in K8S_DIR.iterdir() if p.suffix in (".yaml", ".yml", ".json")]
     assert len(applied) == len(objects), "each file directly in k8s/ holds one object"
 
@@ -380,16 +381,7 @@ def test_the_folder_copy_of_the_job_is_in_line_with_the_base_and_the_image_compo
 
 @pytest.fixture
 def k8s_copy(tmp_path: Path) -> Path:
-    """The manifests, the script and the Makefile in a folder of their own, to be changed by `make k8s-image`."""
-    shutil.copytree(K8S_DIR, tmp_path / "k8s", symlinks=True)
-    shutil.copytree(REPO_ROOT / "scripts", tmp_path / "scripts")
-    shutil.copy(REPO_ROOT / "Makefile", tmp_path / "Makefile")
-    return tmp_path
-
-
-def make_k8s_image(root: Path, *settings: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["make", "--no-print-directory", "-C", str(root), "k8s-image", *settings,
-                           f"PYTHON={sys.executable}"], capture_output=True, text=True, timeout=60, check=False)
+    return copy_for_make(tmp_path)
 
 
 def test_make_k8s_image_points_every_manifest_and_overlay_at_the_registry(k8s_copy):
@@ -412,9 +404,10 @@ def test_make_k8s_image_points_every_manifest_and_overlay_at_the_registry(k8s_co
     checked = subprocess.run([sys.executable, str(k8s_copy / "scripts" / "k8s_image.py"), "--check"],
                              capture_output=True, text=True, timeout=60, check=False)
     assert checked.returncode == 0, checked.stderr
-    # Only IMAGE given: the CUDA image stays; nothing given: the files are only brought in line.
+    # Only IMAGE given: the CUDA image follows it (tests/deploy/test_k8s_images.py); nothing given: the files are
+    # only brought in line.
     assert make_k8s_image(k8s_copy, "IMAGE=ddp-deploy:0.2.0").returncode == 0
-    assert images(render("k8s/overlays/gpu-multi-node", k8s_copy)) == {cuda}
+    assert images(render("k8s/overlays/gpu-multi-node", k8s_copy)) == {"ddp-deploy:0.2.0-cuda"}
     assert images(render(PLAIN_DIR, k8s_copy)) == {"ddp-deploy:0.2.0"}
 
 
@@ -436,6 +429,9 @@ def test_a_hand_edit_of_the_image_component_is_caught_until_make_k8s_image_runs(
      "not an image reference: [host[:port]/]path:tag, lower case, no scheme (e.g. "
      "IMAGE=registry.example.com/team/ddp-deploy:0.1.0)"),
     ("CUDA_IMAGE=Registry/DDP:cuda", "error: CUDA_IMAGE=Registry/DDP:cuda is not an image reference"),
+    (f"IMAGE=registry.example.com/ddp-deploy@sha256:{'a' * 64}", "error: IMAGE=registry.example.com/ddp-deploy@"
+     f"sha256:{'a' * 64} names its image by digest alone, so the CUDA build's cannot be derived from it: give "
+     "CUDA_IMAGE too"),
 ])
 def test_a_bad_image_reference_is_refused_in_one_line_and_changes_nothing(k8s_copy, setting, message):
     before = {path: path.read_text() for path in (k8s_copy / "k8s").rglob("*.yaml")}

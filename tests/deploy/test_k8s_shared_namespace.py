@@ -9,10 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support.job_pods import pod_templates
 from tests.support.k8s_manifests import KUSTOMIZATIONS, REPO_ROOT, Obj, render
-from tests.support.k8s_operator import pod_plans
-from tests.support.kuberay_pods import rayjob_pods
-from tests.support.trainer_v2 import pod_plans as trainer_v2_pods
 
 RAYJOB_SOURCES = ("k8s/ray", "k8s/overlays/rayjob-streamed-data")
 PREFIX, SUFFIX = "team-a-", "-run2"
@@ -31,14 +29,6 @@ def renamed(source: str, tmp_path: Path) -> list[Obj]:
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namePrefix": PREFIX,
         "nameSuffix": SUFFIX, "resources": [os.path.relpath(REPO_ROOT / source, overlay)]}))
     return render(overlay.name, tmp_path)
-
-
-def pod_templates(job: Obj) -> list[Obj]:
-    if job["kind"] == "PyTorchJob":
-        return [plan.template for plan in pod_plans(job)]
-    if job["kind"] == "TrainJob":
-        return [plan.template for plan in trainer_v2_pods(job)]
-    return list(rayjob_pods(job).values())
 
 
 @pytest.mark.parametrize("source", (*KUSTOMIZATIONS, *RAYJOB_SOURCES))

@@ -5,7 +5,9 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -77,3 +79,16 @@ def images(objects: list[Obj]) -> set[str]:
         for replica in obj.get("spec", {}).get("pytorchReplicaSpecs", {}).values():
             found.update(container["image"] for container in replica["template"]["spec"]["containers"])
     return found
+
+
+def copy_for_make(root: Path) -> Path:
+    """The manifests, the scripts and the Makefile in a folder of their own, for `make k8s-image` to change."""
+    shutil.copytree(K8S_DIR, root / "k8s", symlinks=True)
+    shutil.copytree(REPO_ROOT / "scripts", root / "scripts")
+    shutil.copy(REPO_ROOT / "Makefile", root / "Makefile")
+    return root
+
+
+def make_k8s_image(root: Path, *settings: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["make", "--no-print-directory", "-C", str(root), "k8s-image", *settings,
+                           f"PYTHON={sys.executable}"], capture_output=True, text=True, timeout=60, check=False)
