@@ -73,7 +73,8 @@ def test_kubectl_apply_on_the_folder_sends_the_job_its_config_and_its_volume():
     objects = render(PLAIN_DIR)
     assert sorted((o["kind"], o["metadata"]["name"]) for o in objects) == [
         ("ConfigMap", "ddp-train-config"), ("NetworkPolicy", "ddp-train"),
-        ("PersistentVolumeClaim", "ddp-train-storage"), ("PyTorchJob", "ddp-train"), ("ServiceAccount", "ddp-train")]
+        ("PersistentVolumeClaim", "ddp-train-storage"), ("PodDisruptionBudget", "ddp-train"),
+        ("PyTorchJob", "ddp-train"), ("ServiceAccount", "ddp-train")]
     applied = [p for p in K8S_DIR.iterdir() if p.suffix in (".yaml", ".yml", ".json")]
     assert len(applied) == len(objects), "each file directly in k8s/ holds one object"
 

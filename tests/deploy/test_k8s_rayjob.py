@@ -44,7 +44,8 @@ def test_every_object_passes_its_schema_strictly(version, source):
         else:
             kubernetes_validate.validate(obj, version, strict=True)
     kinds = sorted(obj["kind"] for obj in render(source))
-    assert kinds == ["ConfigMap", "NetworkPolicy", "PersistentVolumeClaim", "RayJob", "ServiceAccount"]
+    assert kinds == ["ConfigMap", "NetworkPolicy", "PersistentVolumeClaim", "PodDisruptionBudget", "RayJob",
+                     "ServiceAccount"]
 
 
 @pytest.mark.parametrize(("path", "change", "error"), [

@@ -22,3 +22,12 @@ def pod_templates(job: Obj) -> list[Obj]:
     if job["kind"] == "TrainJob":
         return [plan.template for plan in trainer_v2_pods(job)]
     return list(rayjob_pods(job).values())
+
+
+def pod_labels(job: Obj) -> list[dict[str, str]]:
+    """The labels of each pod the job's operator creates: the template's and those the operator adds."""
+    if job["kind"] == "PyTorchJob":
+        return [dict(plan.labels) for plan in pod_plans(job)]
+    if job["kind"] == "TrainJob":
+        return [dict(plan.labels) for plan in trainer_v2_pods(job)]
+    return [template["metadata"].get("labels", {}) for template in rayjob_pods(job).values()]
