@@ -53,3 +53,14 @@ def test_without_the_component_no_pod_asks_for_a_pull_secret(source, tmp_path):
     objects = overlay_of(source, tmp_path, with_component=False)
     for template in pod_templates(the_job(objects)):
         assert pull_secrets_as_admitted(template, objects) == []
+
+
+def test_kubectl_apply_of_the_folder_creates_the_account_before_the_job_that_names_it():
+    """`kubectl apply -f k8s/` applies the files in name order; a pod naming an account that does not exist yet is
+    refused by the API server, so the account's file must sort first."""
+    kinds = {path.name: [document["kind"] for document in yaml.safe_load_all(path.read_text()) if document]
+             for path in sorted((REPO_ROOT / "k8s").glob("*.yaml"))}
+    order = list(kinds)
+    account = next(name for name, found in kinds.items() if "ServiceAccount" in found)
+    job = next(name for name, found in kinds.items() if "PyTorchJob" in found)
+    assert order.index(account) < order.index(job), order
