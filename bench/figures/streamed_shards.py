@@ -69,11 +69,18 @@ from bench.harness.measure import load_average, median, paired_ratio
 from bench.harness.results import FigureResult, Goal, Row
 from devtools.processes import BIN_DIR
 from devtools.s3_server import S3Server, s3_server
-from trainer.data import cached_synthetic
-from trainer.data.imagefolder import load_imagefolder
-from trainer.data.shards import ShardedDataset, ShardEntry, ShardIndex, ShardOrder, auto_lanes
-from trainer.data.shards.prefetch import rank_plan
-from trainer.data.shards.sampler import BlockSampler, OrderSettings, ShardedDistributedSampler
+from trainer.data import cached_synthetic, load_imagefolder
+from trainer.data.shards import (
+    BlockSampler,
+    OrderSettings,
+    ShardedDataset,
+    ShardedDistributedSampler,
+    ShardEntry,
+    ShardIndex,
+    ShardOrder,
+    auto_lanes,
+    rank_plan,
+)
 
 TITLE = "Streamed shards from an S3-compatible store (loopback, 2 ranks)"
 THROUGHPUT_GOAL, PEER_GOAL = Goal(">=", 0.95), Goal(">=", 1.0)
@@ -693,8 +700,7 @@ def _peer_train(name: str, url: str, out: Path, steps: int, log_every: int, cach
     import torch.distributed as dist
     from torch import nn
 
-    from trainer.data.dataset import Normalise
-    from trainer.data.imagefolder import MEAN, STD, decode_image
+    from trainer.data import IMAGENET_MEAN, IMAGENET_STD, Normalise, decode_image
     from trainer.models import build_model
 
     def decoded(sample: dict[str, Any]) -> tuple[torch.Tensor, int]:
@@ -729,7 +735,7 @@ def _peer_train(name: str, url: str, out: Path, steps: int, log_every: int, cach
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(build_model("convnet", 3, (SIZE, SIZE), CLASSES))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    normalise = Normalise(MEAN, STD)
+    normalise = Normalise(IMAGENET_MEAN, IMAGENET_STD)
     windows: list[float] = []
     totals = torch.zeros(3)  # loss sum, correct, samples: read at the log steps only
     step, started = 0, time.perf_counter()

@@ -4,7 +4,10 @@ trains, in a global order that keeps every sample once per epoch through resumes
 from trainer.data.shards.dataset import Members, ShardedDataset, ShardedItems, decode_members
 from trainer.data.shards.layout import DatasetIndex, ShardEntry, ShardIndex
 from trainer.data.shards.order import ShardOrder, auto_lanes
+from trainer.data.shards.prefetch import PlannedWindow, rank_plan
+from trainer.data.shards.sampler import BlockSampler, OrderSettings, ShardedDistributedSampler
 from trainer.data.shards.store import RetryPolicy
 
-__all__ = ["DatasetIndex", "Members", "RetryPolicy", "ShardEntry", "ShardIndex", "ShardOrder", "ShardedDataset",
-           "ShardedItems", "auto_lanes", "decode_members"]
+__all__ = ["BlockSampler", "DatasetIndex", "Members", "OrderSettings", "PlannedWindow", "RetryPolicy", "ShardEntry",
+           "ShardIndex", "ShardOrder", "ShardedDataset", "ShardedDistributedSampler", "ShardedItems", "auto_lanes",
+           "decode_members", "rank_plan"]
