@@ -80,6 +80,7 @@ from trainer.data.shards import (
     ShardOrder,
     auto_lanes,
     rank_plan,
+    read_ahead_samples,
 )
 
 TITLE = "Streamed shards from an S3-compatible store (loopback, 2 ranks)"
@@ -272,7 +273,6 @@ def _cache_bound_gb(dataset: Dataset, resume_sample: int) -> float:
     start, 3 from ``resume_sample``), by its own sizing (trainer.data.shards.fetching), with a margin."""
     train = ShardedDataset(dataset.url, "train")
     evaluated = ShardedDataset(dataset.url, "eval").head(EVAL_SAMPLES)
-    in_flight = 2 * WORKERS + 2  # batches: the DataLoader's prefetch_factor (2) per worker, plus two
     needed = 0.0
     # At 3 ranks both: the trainer checks a fresh epoch as it attaches the caches (the next epoch's need), then
     # the resumed one as it starts.
@@ -281,8 +281,8 @@ def _cache_bound_gb(dataset: Dataset, resume_sample: int) -> float:
         for rank in range(world):
             sampler = ShardedDistributedSampler(train, world, rank, 0, batch, OrderSettings(0, WINDOW_SHARDS))
             sampler.set_epoch(0, start)
-            rank_needs = (sampler.bytes_needed(in_flight * batch)
-                          + BlockSampler(evaluated, world, rank).bytes_needed(in_flight * EVAL_BATCH))
+            lag, eval_lag = read_ahead_samples(batch, WORKERS, None), read_ahead_samples(EVAL_BATCH, WORKERS, None)
+            rank_needs = sampler.bytes_needed(lag) + BlockSampler(evaluated, world, rank).bytes_needed(eval_lag)
             needed = max(needed, rank_needs * world)  # the node's bound is its ranks' equal shares
     return round(needed * BOUND_MARGIN / 1e9, 6)
 

@@ -50,6 +50,7 @@ _SIDECARS_KEPT = 32
 # (6.6-7.3 s against 7.9-8.4 s).
 MAX_FETCH_THREADS = 4
 
+
 def claim_folder(parent: Path, name: str) -> tuple[Path, IO[bytes]]:
     """A folder ``parent/name`` (or ``name-2``, ``name-3``...) that no live process holds, emptied, and the open
     lock file that holds it for this process (keep it open: closing it lets another process take the folder)."""

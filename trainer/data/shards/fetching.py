@@ -18,12 +18,13 @@ from trainer.data.locate import DEFAULT_CACHE
 from trainer.data.shards.cache import MAX_FETCH_THREADS
 from trainer.data.shards.dataset import ShardedItems
 from trainer.data.shards.prefetch import Prefetcher
-from trainer.data.shards.sampler import BlockSampler, CacheBound, ShardedDistributedSampler
+from trainer.data.shards.sampler import BlockSampler, CacheBound, ShardedDistributedSampler, read_ahead_samples
 from trainer.data.shards.store import RetryPolicy
 from trainer.distributed import Runtime, agreed
 from trainer.errors import DataError
 
 __all__ = ["check_epoch_bound", "start_fetching", "stop_fetching"]
+
 
 def start_fetching(settings: Any, runtime: Runtime, train_loader: DataLoader[Any], eval_loader: DataLoader[Any]
                    ) -> None:
@@ -47,8 +48,7 @@ def start_fetching(settings: Any, runtime: Runtime, train_loader: DataLoader[Any
             dataset.attach_cache(parent, f"{role}-rank{identity.local_rank}")
             assert dataset.cache is not None and loader.batch_size is not None
             dataset.cache.fetch_threads = fetch_threads
-            in_flight = (loader.prefetch_factor or 2) * loader.num_workers if loader.num_workers else 0
-            lag = (in_flight + 2) * loader.batch_size
+            lag = read_ahead_samples(loader.batch_size, loader.num_workers, loader.prefetch_factor)
             sampler = loader.sampler
             assert isinstance(sampler, ShardedDistributedSampler | BlockSampler)
             if isinstance(sampler, BlockSampler):

@@ -12,15 +12,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from trainer.data.shards.dataset import ShardedDataset, encode_key
+from trainer.data.shards.layout import ShardEntry
 from trainer.data.shards.order import ShardOrder, auto_lanes
 from trainer.data.shards.prefetch import PlannedWindow, Prefetcher, bytes_open_at_once, rank_plan
 from trainer.sampler import ResumableDistributedSampler
 
-__all__ = ["BlockSampler", "CacheBound", "OrderSettings", "ShardedDistributedSampler"]
+__all__ = ["BlockSampler", "CacheBound", "OrderSettings", "ShardedDistributedSampler", "read_ahead_samples"]
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +102,7 @@ class ShardedDistributedSampler(ResumableDistributedSampler):
     def bytes_needed(self, lag_samples: int) -> int:
         """The most bytes this rank holds at once for the epoch about to start (shard sizes prorated)."""
         plan = rank_plan(self.order(), self.start_sample, self.rank, self.num_replicas)
-        shards = self.sharded.shards
-        return bytes_open_at_once(plan, lag_samples, lambda window: sum(
-            shards[piece.shard].bytes * piece.samples // shards[piece.shard].samples for piece in window.pieces))
+        return bytes_open_at_once(plan, lag_samples, partial(_window_bytes, self.sharded.shards))
 
     def order_state(self) -> dict[str, int]:
         """The epoch in progress's order, for the checkpoint: a resume continues it whatever the world size."""
@@ -147,5 +147,18 @@ class BlockSampler(torch.utils.data.Sampler[int]):
     def bytes_needed(self, lag_samples: int) -> int:
         """The most bytes an evaluation holds at once: a shard is held from its first read until ``lag_samples``
         after its last (the workers read ahead), so small shards are held several at a time."""
-        return bytes_open_at_once(self.plan(), lag_samples,
-                                  lambda window: sum(self.shards[piece.shard].bytes for piece in window.pieces))
+        return bytes_open_at_once(self.plan(), lag_samples, partial(_window_bytes, self.shards))
+
+
+def read_ahead_samples(batch_size: int, num_workers: int, prefetch_factor: int | None) -> int:
+    """How far a DataLoader's workers may read past the index its sampler hands out: ``prefetch_factor`` batches
+    per worker in flight, and two more (the batch being collated, the one the loop holds). A window is kept this
+    long after its last index, and a cache bound is sized with it (trainer.data.shards.fetching, the figures)."""
+    in_flight = (prefetch_factor or 2) * num_workers if num_workers else 0
+    return (in_flight + 2) * batch_size
+
+
+def _window_bytes(shards: list[ShardEntry], window: PlannedWindow) -> int:
+    """A window's bytes from index.json alone: each piece its shard's bytes spread evenly over the shard's samples
+    (a whole shard, as evaluation reads, is its bytes exactly)."""
+    return sum(shards[piece.shard].bytes * piece.samples // shards[piece.shard].samples for piece in window.pieces)
