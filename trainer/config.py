@@ -185,6 +185,10 @@ class CheckpointConfig:
     checkpoint_timeout_s: float = option(1800.0, "a checkpoint write that takes longer (a hung NFS mount or bucket) "
                                                  "ends the job with exit 200, to be restarted from the last "
                                                  "complete checkpoint", resume=ResumeRule.IGNORE)
+    max_failed_saves: int = option(3, "a save that fails on a storage error a retry may fix (I/O error, throttling, "
+                                      "5xx) is a warning and training goes on; after this many in a row the job "
+                                      "ends with exit 200, to be restarted from the last committed checkpoint",
+                                   resume=ResumeRule.IGNORE)
     lease_expiry_s: float = option(60.0, "a checkpoint folder belongs to one job; the lease of a job killed without "
                                          "releasing it is free after this many seconds without renewal",
                                   resume=ResumeRule.IGNORE)
@@ -201,6 +205,8 @@ class CheckpointConfig:
         check(bool(self.resume), "--resume must be latest, none or a path")
         check(self.grace_period_s > 0, "--grace-period-s must be > 0")
         check(self.checkpoint_timeout_s > 0, f"--checkpoint-timeout-s must be > 0, got {self.checkpoint_timeout_s:g}")
+        check(self.max_failed_saves >= 1, f"--max-failed-saves must be >= 1 (1: the first failed save ends the job), "
+                                          f"got {self.max_failed_saves}")
         check(self.lease_expiry_s >= 4, f"--lease-expiry-s must be >= 4 (it is renewed every quarter of it), "
                                         f"got {self.lease_expiry_s:g}")
 

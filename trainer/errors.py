@@ -10,7 +10,8 @@ from __future__ import annotations
 __all__ = ["EXIT_FAILURE", "EXIT_OK", "EXIT_PEER_LOST", "EXIT_PREEMPTED", "EXIT_RENDEZVOUS", "EXIT_USAGE",
            "CheckpointError", "ConfigError", "DataError", "DataUnavailable",
            "DeviceError", "LaunchEnvError", "OutOfMemory", "PeerLost",
-           "Preempted", "RendezvousError", "StorageStalled", "TaskError", "TrackerError", "UserError", "described",
+           "Preempted", "RendezvousError", "StorageStalled", "StorageUnavailable", "TaskError", "TrackerError",
+           "UserError", "described",
            "first_line"]
 
 EXIT_OK = 0
@@ -18,7 +19,7 @@ EXIT_FAILURE = 1  # an unexpected error: a bug, a traceback is printed
 EXIT_USAGE = 2  # bad flags, environment, data or checkpoint: fix the input, do not retry
 EXIT_RENDEZVOUS = 3  # the master could not be reached before the deadline
 EXIT_PREEMPTED = 143  # SIGTERM received, checkpoint written: retry (128 + SIGTERM, as Kubernetes reports it)
-EXIT_PEER_LOST = 200  # another rank died or vanished mid-training: retry from the last checkpoint
+EXIT_PEER_LOST = 200  # a rank died or vanished, or the storage kept failing: retry from the last checkpoint
 
 
 def first_line(error: BaseException) -> str:
@@ -108,6 +109,14 @@ class PeerLost(UserError):
 class StorageStalled(CheckpointError):
     """A checkpoint write outlasted --checkpoint-timeout-s (a hung mount or bucket): the job ends to be
     restarted, and resumes from the last complete checkpoint."""
+
+    exit_code = EXIT_PEER_LOST
+
+
+class StorageUnavailable(CheckpointError):
+    """The checkpoint storage failed in a way a retry may fix (an I/O error, throttling, a 5xx, a dropped
+    connection) for longer than the run allows (--max-failed-saves in a row, or the final save's retries): the job
+    ends to be restarted, and resumes from the last committed checkpoint, which is intact."""
 
     exit_code = EXIT_PEER_LOST
 

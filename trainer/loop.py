@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 from trainer.build import TrainingSetup
 from trainer.checkpoint import CheckpointManager, LoadedCheckpoint
 from trainer.checkpoint.init_from import initial_weights
+from trainer.checkpoint.manager import SaveRetry
 from trainer.checkpoint.parts import RestoreContext, add_run_parts
 from trainer.checkpoint.reading import InvalidCheckpoint
 from trainer.checkpoint.schema import TaskRecord
@@ -124,16 +125,41 @@ class Trainer:
         agreed(self.runtime, lambda: self.metrics.write("resume", self.position.step, timing), OutputError)
 
     # -- checkpoints ---------------------------------------------------------------------------------------
-    def save_checkpoint(self, metrics: Metrics | None = None) -> None:
+    def save_checkpoint(self, metrics: Metrics | None = None, final: bool = False) -> None:
+        """A periodic save (one that fails on a storage error is a warning: CheckpointManager.save), or the run's
+        ``final`` one, at its end or on preemption: tried again until it commits or its deadline passes."""
+        if final:
+            self._save_final(metrics)
+            return
         # An epoch-end save replaces a --checkpoint-every save of the same step: it adds the evaluation's
         # metrics (for --keep-best) and the completed epoch.
         if self.position.step == self._last_saved_step and metrics is None:
             return
+        self._save(metrics)
+
+    def _save(self, metrics: Metrics | None, final_deadline: float | None = None) -> None:
         broadcast_buffers(self.setup.model, self.runtime)
         self.checkpoints.save(self.state.capture(self.runtime.identity.world_size), metrics,
-                              self.state.changed_by_step_only)
+                              self.state.changed_by_step_only, final_deadline)
         self._last_saved_step = self.position.step
         self.timed_saves.saved()
+
+    def _save_final(self, metrics: Metrics | None) -> None:
+        """The last save is the run's result (or, preempted, what the next attempt resumes): a storage error is
+        retried with backoff (rank 0 decides, CheckpointManager._settle) within what is left of the grace period
+        after a signal, else within --checkpoint-timeout-s; past it, StorageUnavailable (exit 200)."""
+        deadline = self.watcher.exit_deadline()
+        if deadline is None:
+            deadline = time.monotonic() + self.config.checkpoint.checkpoint_timeout_s
+        self.checkpoints.finish()  # an asynchronous save still being written may be of this very step
+        while metrics is not None or self.checkpoints.committed_step != self.position.step:
+            try:
+                self._save(metrics, deadline)
+                self.checkpoints.finish()
+                return
+            except SaveRetry as retry:  # raised on every rank alike
+                self.log.warning("%s", retry)
+                time.sleep(retry.delay_s)
 
     # -- training ------------------------------------------------------------------------------------------
     def fit(self) -> Metrics:
@@ -227,7 +253,8 @@ class Trainer:
             if finished_epoch:
                 self.position.epoch += 1
                 self.position.samples_in_epoch = 0
-            self.save_checkpoint(metrics=result)
+            last = self.position.epoch >= config.train.epochs or self._reached_max_steps()
+            self.save_checkpoint(metrics=result, final=last)
         self.profiler.finish()  # --profile-steps past the last step: what was recorded
         if result is None:  # nothing left to train: the checkpoint was already complete
             result = self._evaluate(self.position.epoch - 1)
@@ -273,8 +300,7 @@ class Trainer:
 
     def _stop_for_preemption(self) -> None:
         self.log.warning("%s: stopping at step %d to write a checkpoint", self.watcher.describe(), self.position.step)
-        self.save_checkpoint()
-        self.checkpoints.finish()
+        self.save_checkpoint(final=True)
         raise Preempted(f"preempted at step {self.position.step}; checkpoint written")
 
     def _evaluate(self, epoch: int, mid_epoch: bool = False) -> Metrics:

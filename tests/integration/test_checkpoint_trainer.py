@@ -4,6 +4,7 @@ which touches a good checkpoint."""
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 import subprocess
@@ -274,7 +275,7 @@ def test_a_password_holding_at_slash_and_question_marks_is_hidden_in_a_failed_sa
 
     def full_store(self: MemoryFileSystem, path: str, mode: str = "rb", *args: object, **kwargs: object) -> object:
         if "w" in mode and "/step-" in path:
-            raise OSError(f"no room left for {path}")
+            raise OSError(errno.ENOSPC, f"no room left for {path}")  # a retry cannot fix it: the run ends
         return real_open(self, path, mode, *args, **kwargs)
 
     monkeypatch.setattr(MemoryFileSystem, "_open", full_store)

@@ -177,7 +177,9 @@ def test_a_taker_whose_clock_runs_ahead_never_takes_a_lease_its_holder_renews(lo
     taker_clock.slept = 0.0
     lease_for(location, "job-b", taker_clock, expires_after_s=8).take()
     assert 4 <= taker_clock.slept <= 5
-    with pytest.raises(CheckpointError, match="was taken over by job job-b"):
+    holder_clock.now += 5  # the holder wakes up from its stall: told so, and by whom
+    with pytest.raises(CheckpointError, match=r"was taken over by job job-b on host-job-b \(rank 0 pid \d+\) while "
+                                              r"this job did not renew its lease for [5-9]s \(stalled"):
         holder.renew()
 
 
@@ -277,3 +279,67 @@ def test_a_kept_lease_is_the_same_jobs_at_once_and_anothers_once_expired_without
     clock.now += 61  # no next attempt came: expired
     lease_for(location, "job-b", clock).take()
     assert clock.slept == 0, "a kept lease has no holder left to renew it: nothing to watch"
+
+
+HOLDER = """
+import logging, sys, time
+from trainer.checkpoint import open_storage
+from trainer.checkpoint.lease import CheckpointLease
+lease = CheckpointLease(open_storage(sys.argv[1]), "shared-id", "host-a", 4.0, logging.getLogger("holder"))
+lease.take()
+lease.start_renewing()
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_live_holder_with_this_jobs_identity_is_never_taken_and_one_gone_is_taken_at_once(tmp_path, caplog):
+    """Two live jobs with one identity (two Compose stacks on two hosts, one --job-id given twice): the newcomer
+    watches the lease, sees it renewed and is refused naming both hosts; the holder goes on. Once the holder's
+    process has ended on this host (SIGKILL: nothing released), its next attempt takes the lease at once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    location = str(tmp_path / "ckpt")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, location], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        newcomer = CheckpointLease(open_storage(location), "shared-id", "host-b", 4.0, LOG)
+        started = time.monotonic()
+        with pytest.raises(CheckpointError) as refused:
+            newcomer.take()
+        assert time.monotonic() - started < 4, "refused after one watch of two renewal periods"
+        assert str(refused.value) == (
+            f"checkpoint folder {location} is held by a live job with this job's identity (shared-id): rank 0 pid "
+            f"{holder.pid} on host-a renewed its lease while this job (on host-b) watched it, so it is another "
+            f"job, not an earlier attempt of this one. Give each job its own identity with --job-id (or "
+            f"DDP_JOB_ID), or this one another --checkpoint-dir")
+        assert holder.poll() is None, "the holder goes on"
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(30)
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="lease-test"):
+            CheckpointLease(open_storage(location), "shared-id", "host-b", 4.0, LOG).take()
+        assert time.monotonic() - started < 1, "a holder whose process ended here is not watched"
+        assert (f"from an earlier attempt of this job (shared-id), whose process {holder.pid} on this host has "
+                f"ended") in caplog.text
+    finally:
+        holder.kill()
+        holder.wait(30)
+
+
+def test_this_jobs_earlier_attempt_on_another_host_is_watched_before_its_lease_is_taken(location, caplog):
+    """Its process cannot be looked up from here: taken once nobody renewed it for two renewal periods."""
+    clock = Clock()
+    elsewhere = lease_for(location, "job-a", clock, expires_after_s=8)
+    elsewhere.boot = "another-kernel"  # as written on another host
+    elsewhere.take()
+    with caplog.at_level(logging.WARNING, logger="lease-test"):
+        lease_for(location, "job-a", clock, expires_after_s=8).take()
+    assert 4 <= clock.slept <= 5
+    assert ("took over the lease of checkpoint folder" in caplog.text and "from an earlier attempt of this job "
+            "(job-a) on host-job-a, whose lease was not renewed while watched for 4s" in caplog.text), caplog.text

@@ -40,6 +40,9 @@ ManagerFactory = Callable[..., CheckpointManager]
 @pytest.fixture
 def manager_for(runtime: Runtime, log: logging.Logger) -> ManagerFactory:
     def make(location: str, **config: object) -> CheckpointManager:
+        # A failed save raises at once, as it would after --max-failed-saves in a row (the tolerance is tested
+        # with the option given).
+        config.setdefault("max_failed_saves", 1)
         manager = CheckpointManager(CheckpointConfig(**config), location, runtime, log,  # type: ignore[arg-type]
                                     Monitor("accuracy", "max"))
         manager.prepare()
@@ -616,8 +619,8 @@ def save_held_midway(manager: CheckpointManager, monkeypatch: pytest.MonkeyPatch
 
 
 def test_a_write_whose_job_lost_the_lease_meanwhile_never_commits(manager_for, tmp_path, monkeypatch):
-    """A replacement with the same identity takes the lease while this rank 0's write is under way (a partitioned
-    node, a stalled disk): the lease is checked again at the commit itself, so the old write neither commits nor
+    """A replacement takes the lease while this rank 0's write is under way (--take-over-checkpoint-dir, or a
+    partitioned node, a stalled disk): the lease is checked again at the commit itself, so the old write neither commits nor
     moves the new job's same-step folder aside."""
     from trainer.checkpoint.lease import CheckpointLease
 
@@ -626,9 +629,9 @@ def test_a_write_whose_job_lost_the_lease_meanwhile_never_commits(manager_for, t
     assert manager.lease is not None
     replacement = CheckpointLease(open_storage(str(tmp_path)), manager.lease.job, "other-host", 60.0,
                                   logging.getLogger("checkpoint-test"), job_named=True)
-    replacement.take()  # the same job's next attempt: it takes the live lease
+    replacement.take(take_over=True)  # a live holder is only ever taken from explicitly (or once it stalled)
     go_on.set()
-    with pytest.raises(CheckpointError, match="was taken over by job"):
+    with pytest.raises(CheckpointError, match="was taken over by job .* with --take-over-checkpoint-dir"):
         manager.finish()
     assert names(str(tmp_path)) == [] and open_storage(str(tmp_path)).remove_temporaries() == []
     replacement.release()

@@ -4,7 +4,11 @@ Two jobs writing one folder destroy each other (each prunes the other's checkpoi
 its unfinished saves, and ``--resume latest`` takes the other's state), so a second job is refused.
 "The same job" is what a launcher restarts, named by ``DistIdentity.job``: torchrun's run id at its
 agent's address, a Slurm job id (kept across requeues), a PyTorchJob's or Compose project's master
-address, or ``DDP_JOB_ID``. A restart of the same job takes the lease at once.
+address, or ``DDP_JOB_ID``. A restart of the same job takes the lease at once where its holder is surely gone:
+released or kept for it, or its process has ended on this very host (the same kernel and process namespace, so
+the holder's pid means the same process here). Otherwise the holder may be alive: two jobs can share an identity
+(two Compose stacks on two hosts, two jobs given one --job-id), so the lease is watched for two renewal periods
+first, taken if nobody renewed it, and refused naming both hosts if somebody did.
 
 The lease is a series of files ``.lease/holder-<generation>.json``; the newest generation is the holder.
 Taking it means creating the next generation's file, which exactly one of any number of racing jobs
@@ -30,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from trainer.checkpoint.storage import CheckpointStorage, NotAFile
 from trainer.errors import CheckpointError
@@ -57,6 +62,10 @@ class Holder:
     # Kept for the job's next attempt by a run that stopped (CheckpointManager.release_lease): no longer renewed,
     # by anyone, so once expired it is free without watching it first.
     kept: bool = False
+    # Where its pid means something: the kernel's boot id and the process namespace (empty where unknown).
+    boot: str = ""
+    pid_namespace: str = ""
+    took: str = ""  # from whom and why this holder took the lease, for the job it was taken from
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self), indent=2).encode()
@@ -67,7 +76,8 @@ class Holder:
         try:
             raw = json.loads(data)
             return cls(str(raw["job"]), str(raw["host"]), int(raw["pid"]), float(raw["renewed_unix"]),
-                       float(raw["expires_after_s"]), bool(raw.get("released", False)), bool(raw.get("kept", False)))
+                       float(raw["expires_after_s"]), bool(raw.get("released", False)), bool(raw.get("kept", False)),
+                       str(raw.get("boot", "")), str(raw.get("pid_namespace", "")), str(raw.get("took", "")))
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -88,6 +98,9 @@ class CheckpointLease:
         self.sleep = sleep
         self.generation: int | None = None
         self.lost_to: Holder | None = None
+        self.took = ""  # why this job took the lease (written into its record for a job it was taken from)
+        self._renewed_at = 0.0  # monotonic() of the last write of this holder's record that succeeded
+        self.boot, self.pid_namespace = process_place()
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
 
@@ -110,14 +123,19 @@ class CheckpointLease:
                 why = self._why_free(current, take_over)
                 if why is None:
                     raise CheckpointError(self._held_message(current))
-                if self._looks_expired(current, take_over):
-                    if renewed_while_watched:  # alive, though its timestamps say otherwise: clocks disagree
+                if self._may_be_alive(current, take_over):
+                    if renewed_while_watched:  # alive, though its timestamps say otherwise, or one identity twice
                         raise CheckpointError(self._held_message(current, renewed_while_watched=True))
                     if not self._unchanged_while_watched(newest):
                         renewed_while_watched = True  # renewed, released or taken meanwhile: look again
                         continue
+                    if current.job == self.job and not current.kept:
+                        why = (f"an earlier attempt of this job ({self.job}) on {current.host}, whose lease was not "
+                               f"renewed while watched for {self.expires_after_s / 2:.0f}s")
+            self.took = "" if current is None else why or ""
             if self.storage.create_exclusive(LEASE_FOLDER, holder_file(newest + 1), self._record().to_bytes()):
                 self.generation = newest + 1
+                self._renewed_at = self.monotonic()
                 if current is not None and current.job == self.job and current.kept:
                     # Kept for this attempt by the one before (CheckpointManager.release_lease): the usual way.
                     self.log.info("took the lease of checkpoint folder %s from %s", self.storage.describe(), why)
@@ -136,21 +154,47 @@ class CheckpointLease:
         """Why this job may take the lease from ``current`` (for the log), or None if it may not."""
         if current.released:
             return "released"
+        age = self.clock() - current.renewed_unix
+        if take_over and not current.kept:  # said first: the job it is taken from learns it was not its fault
+            return f"job {current.job} on {current.host} (--take-over-checkpoint-dir; renewed {age:.0f}s ago)"
+        if current.job == self.job and self._ended_here(current):
+            return f"an earlier attempt of this job ({self.job}), whose process {current.pid} on this host has ended"
         if current.job == self.job:
             return f"an earlier attempt of this job ({self.job})"
-        age = self.clock() - current.renewed_unix
         if age > current.expires_after_s:
             return (f"job {current.job} on {current.host}, whose lease expired (not renewed for {age:.0f}s by its "
                     f"clock, nor for {current.expires_after_s / 2:.0f}s watched from this host)")
         if take_over:
-            return f"job {current.job} on {current.host} (--take-over-checkpoint-dir; renewed {age:.0f}s ago)"
+            return f"job {current.job} on {current.host} (--take-over-checkpoint-dir)"
         return None
 
-    def _looks_expired(self, current: Holder, take_over: bool) -> bool:
-        """Free only by its holder's timestamps (which the watch must confirm; a kept lease has no holder left to
-        renew it, so its timestamps are the whole story)."""
-        return (not (current.released or current.kept or take_over or current.job == self.job)
-                and self.clock() - current.renewed_unix > current.expires_after_s)
+    def _may_be_alive(self, current: Holder, take_over: bool) -> bool:
+        """Whether the holder may still be renewing the lease this job may take by the rules (``_why_free``), so
+        that it is watched first: one that looks expired by its timestamps (clocks disagree), or this job's own
+        earlier attempt unless it is surely gone (another live job may have the same identity). A released or kept
+        lease has no holder left to renew it, so its record is the whole story; --take-over-checkpoint-dir takes
+        it regardless."""
+        if current.released or current.kept or take_over:
+            return False
+        if current.job == self.job:
+            return not self._ended_here(current)
+        return self.clock() - current.renewed_unix > current.expires_after_s
+
+    def _ended_here(self, current: Holder) -> bool:
+        """Whether the holder's process is known to have ended: it ran on this host (the same kernel boot and pid
+        namespace, where a pid names the same process) and no process has its pid now, or it is this process
+        (an earlier run in it, which a run in progress cannot be)."""
+        if not current.boot or (current.boot, current.pid_namespace) != (self.boot, self.pid_namespace):
+            return False
+        if current.pid == os.getpid():
+            return True
+        try:
+            os.kill(current.pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:  # another user's process: alive
+            return False
+        return False
 
     def _unchanged_while_watched(self, generation: int) -> bool:
         """Whether the lease's newest file stays as it is for half the expiry, on this host's monotonic clock:
@@ -172,6 +216,11 @@ class CheckpointLease:
         return True
 
     def _held_message(self, current: Holder, renewed_while_watched: bool = False) -> str:
+        if renewed_while_watched and current.job == self.job:
+            return (f"checkpoint folder {self.storage.describe()} is held by a live job with this job's identity "
+                    f"({self.job}): rank 0 pid {current.pid} on {current.host} renewed its lease while this job (on "
+                    f"{self.host}) watched it, so it is another job, not an earlier attempt of this one. Give each "
+                    f"job its own identity with --job-id (or DDP_JOB_ID), or this one another --checkpoint-dir")
         age = max(0.0, self.clock() - current.renewed_unix)
         left = max(0.0, current.expires_after_s - age)
         renewed = (f"lease renewed while this job watched it, though its timestamps are {age:.0f}s old: the two "
@@ -202,16 +251,28 @@ class CheckpointLease:
             if newer:
                 self.lost_to = self._read(newer[-1]) or Holder("(unreadable)", "?", 0, 0.0, 0.0)
         if self.lost_to is not None:
-            raise CheckpointError(
-                f"checkpoint folder {self.storage.describe()} was taken over by job {self.lost_to.job} on "
-                f"{self.lost_to.host} while this job did not renew its lease (stalled for more than "
-                f"{self.expires_after_s:g}s); this job stops without writing there. Restart it with another "
-                f"--checkpoint-dir, or once the other job is done")
+            raise CheckpointError(self._lost_message(self.lost_to))
+
+    def _lost_message(self, taker: Holder) -> str:
+        """Who took the lease and why, as the taker wrote it; "stalled" only where this job did not renew it."""
+        quiet = self.monotonic() - self._renewed_at
+        by = f"job {taker.job} on {taker.host} (rank 0 pid {taker.pid})"
+        if "--take-over-checkpoint-dir" in taker.took:
+            how = f"was taken over by {by} with --take-over-checkpoint-dir"
+        elif quiet >= self.expires_after_s / 2:
+            how = (f"was taken over by {by} while this job did not renew its lease for {quiet:.0f}s (stalled, or its "
+                   f"storage did not answer)")
+        else:
+            how = (f"was taken by {by}, which took it from {taker.took or 'this job'}, although this job renewed "
+                   f"its lease {quiet:.0f}s ago")
+        return (f"checkpoint folder {self.storage.describe()} {how}; this job stops without writing there. Restart "
+                f"it with another --checkpoint-dir, or once the other job is done")
 
     def renew(self) -> None:
         self.check()
         assert self.generation is not None
         self.storage.replace_file(LEASE_FOLDER, holder_file(self.generation), self._record().to_bytes())
+        self._renewed_at = self.monotonic()
 
     def start_renewing(self) -> None:
         """Renew from a background thread every quarter of the expiry, until release()."""
@@ -258,7 +319,8 @@ class CheckpointLease:
 
     # -- files ---------------------------------------------------------------------------------------------
     def _record(self, released: bool = False, kept: bool = False) -> Holder:
-        return Holder(self.job, self.host, os.getpid(), self.clock(), self.expires_after_s, released, kept)
+        return Holder(self.job, self.host, os.getpid(), self.clock(), self.expires_after_s, released, kept, self.boot,
+                      self.pid_namespace, self.took)
 
     def _generations(self) -> list[int]:
         found = (HOLDER_FILE.match(name) for name in self.storage.files(LEASE_FOLDER))
@@ -269,3 +331,14 @@ class CheckpointLease:
             return Holder.from_bytes(self.storage.read(LEASE_FOLDER, holder_file(generation)))
         except (FileNotFoundError, NotAFile):
             return None  # gone (taken over meanwhile), or a link or a folder: no holder record either way
+
+
+def process_place() -> tuple[str, str]:
+    """This process's kernel boot id and pid namespace ("" where unknown: not Linux): two records that agree on
+    both were written where a pid names the same process."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return "", ""
+    return boot, namespace

@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -22,13 +22,14 @@ from torch.utils.serialization import config as serialization_config
 from trainer.checkpoint import dcp_files, shards
 from trainer.checkpoint.lease import CheckpointLease
 from trainer.checkpoint.reading import MAX_MANIFEST_BYTES, STATE_FILE, InvalidCheckpoint, UnknownFormat
+from trainer.checkpoint.save_failures import SaveFailure, is_transient, is_transient_type_name
 from trainer.checkpoint.schema import DCP_FORMAT, FORMAT, TrainingState, library_versions
 from trainer.checkpoint.snapshot import HostSnapshots, Snapshot
 from trainer.checkpoint.storage import MANIFEST, FileWriter, checkpoint_name, open_storage, saved_in_place, step_of
 from trainer.checkpoint.verification import LoadedCheckpoint, verify, verify_path
 from trainer.config import CheckpointConfig
 from trainer.distributed import Runtime, broadcast_from_main, gather_to_main
-from trainer.errors import CheckpointError, StorageStalled, described
+from trainer.errors import CheckpointError, StorageStalled, StorageUnavailable, described
 from trainer.redact import redact
 
 # After a write stalled, the lease's release goes to the same storage: tried for this long, then left to expire.
@@ -39,8 +40,23 @@ RELEASE_S = 10.0
 FINISHED, STOPPED, FAILED = "finished", "stopped", "failed"
 
 
-class LeaseUnreadable(CheckpointError):
-    """The lease could not be read (the storage did not answer): nothing commits on it, and nothing is pruned."""
+# An unreadable lease (the storage did not answer) is read again after these pauses before the save gives up.
+LEASE_READ_RETRIES_S = (1.0, 2.0, 4.0)
+# A final save that failed on a storage error is tried again after these pauses, within its deadline.
+FINAL_SAVE_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0)
+
+
+class LeaseUnreadable(StorageUnavailable):
+    """The lease could not be read (the storage did not answer): nothing commits on it, and nothing is pruned. A
+    retry may read it: the save fails, as on any storage error, but the folder is not taken for lost."""
+
+
+class SaveRetry(Exception):
+    """A final save failed on a storage error and rank 0 chose to try again, on every rank, in ``delay_s``."""
+
+    def __init__(self, message: str, delay_s: float) -> None:
+        super().__init__(message)
+        self.delay_s = delay_s
 
 
 @dataclass(frozen=True)
@@ -78,7 +94,7 @@ class CheckpointManager:
         self.storage = open_storage(location)
         self.last_timing = SaveTiming()
         self._writer: threading.Thread | None = None
-        self._writer_error: str | None = None
+        self._writer_error: SaveFailure | None = None
         self._writer_deadline = 0.0  # time.monotonic() by which the background write must be done
         self._writer_name = ""
         self._stalled = False  # a write outlasted --checkpoint-timeout-s: its thread is abandoned, not joined
@@ -91,12 +107,16 @@ class CheckpointManager:
         # hook: Ray Train's report, trainer.on_ray): see Committed.
         self.on_commit: Callable[[Committed], None] | None = None
         self._unconfirmed: Committed | None = None  # the save launched last, until every rank knows its outcome
+        self.committed_step: int | None = None  # the step of the newest save every rank knows committed (this run's)
+        self.failed_in_a_row = 0  # periodic saves that failed on a storage error since the last that committed
+        self._final_deadline: float | None = None  # rank 0's time.monotonic() by which a final save must commit
+        self._final_attempt = 0
 
     # -- start ---------------------------------------------------------------------------------------------
     def prepare(self) -> None:
         """On rank 0: check the location, take its lease (trainer.checkpoint.lease), then clear crashed saves'
         leftovers, which the lease makes this job's own or stale; every rank learns the outcome."""
-        error = None
+        error: SaveFailure | None = None
         if self.runtime.is_main:
             try:
                 self.storage.check_writable()
@@ -106,14 +126,16 @@ class CheckpointManager:
                 try:
                     lease.take(take_over=self.config.take_over_checkpoint_dir)
                 except OSError as problem:
-                    raise CheckpointError(f"cannot take the lease of checkpoint folder {self.storage.describe()} "
-                                          f"({problem.strerror or problem}); fix its permissions or choose another "
-                                          f"--checkpoint-dir") from None
+                    said = (f"cannot take the lease of checkpoint folder {self.storage.describe()} "
+                            f"({problem.strerror or problem})")
+                    if is_transient(problem):  # the storage failed: the restarted job may find it answering
+                        raise StorageUnavailable(said) from None
+                    raise CheckpointError(f"{said}; fix its permissions or choose another --checkpoint-dir") from None
                 self.lease = lease
                 lease.start_renewing()
                 self._remove_leftovers()
             except CheckpointError as problem:
-                error = str(problem)
+                error = SaveFailure(str(problem), is_transient(problem))
         self._raise_everywhere(error)
 
     def load(self, resume: str) -> LoadedCheckpoint | None:
@@ -171,7 +193,8 @@ class CheckpointManager:
 
     # -- save ----------------------------------------------------------------------------------------------
     def save(self, state: TrainingState, metrics: dict[str, float] | None = None,
-             changed_by_step_only: Callable[[str], bool] = lambda path: False) -> None:
+             changed_by_step_only: Callable[[str], bool] = lambda path: False,
+             final_deadline: float | None = None) -> None:
         """Called by every rank at the same step; rank 0 writes, the others learn whether it worked.
 
         The state's per-rank parts (the random generators) are gathered from every rank. Synchronous saves
@@ -182,15 +205,20 @@ class CheckpointManager:
         step changes it (the parameters, the optimizer's state; trainer.checkpoint.parts). An asynchronous save
         copies those in its background thread while training computes the next gradients; ``before_update``
         waits for that copy.
+
+        A save that fails on a storage error a retry may fix (trainer.checkpoint.save_failures) is a warning on
+        every rank and training goes on, up to --max-failed-saves in a row (then StorageUnavailable, exit 200).
+        ``final_deadline`` (time.monotonic(), rank 0's counts): the run's last save, at its end or on preemption,
+        which is not given up: until then, a failure raises SaveRetry (the caller saves again after its delay).
         """
-        self._raise_everywhere(*self._wait_for_writer())
-        self._confirm()
+        self._settle(self._wait_for_writer())
+        self._final_deadline = final_deadline
         self._unconfirmed = Committed(state.position.step, state.position.epoch, dict(metrics or {}))
         if shards.has_sharded(state.parts):
             self._save_sharded(state, metrics)
             return
         gathered = {name: gather_to_main(state.parts[name], self.runtime) for name in state.per_rank}
-        error, stalled = None, False
+        failure = None
         if self.runtime.is_main:
             state.parts.update({name: values or [] for name, values in gathered.items()})
             state.versions = library_versions()
@@ -201,10 +229,9 @@ class CheckpointManager:
             # system that never answers cannot hold the job past --checkpoint-timeout-s.
             self._launch_writer(name, self._write_in_background, (name, raw, described, copies))
             if not self.config.async_checkpoint:
-                error, stalled = self._wait_for_writer()
+                failure = self._wait_for_writer()
         if not self.config.async_checkpoint:
-            self._raise_everywhere(error, stalled)
-            self._confirm()
+            self._settle(failure)
 
     def _save_sharded(self, state: TrainingState, metrics: dict[str, float] | None) -> None:
         """Every rank writes its share of the tensors into the new folder through DCP (trainer.checkpoint.dcp_files),
@@ -215,16 +242,17 @@ class CheckpointManager:
         split = dcp_files.split(state.parts, state.per_rank)
         gathered = {name: gather_to_main(state.parts[name], self.runtime) for name in state.per_rank}
         name = checkpoint_name(state.position.step)
-        opened: tuple[str | None, str | None] = (None, None)
+        opened: tuple[str | None, SaveFailure | None] = (None, None)
         if self.runtime.is_main:
             try:
                 self._check_lease()
                 opened = (self.storage.begin(name, self._generation()), None)
             except CheckpointError as problem:
-                opened = (None, str(problem))
-        temporary, error = broadcast_from_main(opened, self.runtime)
-        self._raise_everywhere(error)
-        assert temporary is not None
+                opened = (None, SaveFailure(str(problem), is_transient(problem)))
+        temporary, failure = broadcast_from_main(opened, self.runtime)
+        if temporary is None:
+            self._settle(failure)  # raises, or the failure is tolerated: training goes on without this save
+            return
         group = self.side_group()
         # Training goes on meanwhile under --async-checkpoint: what is written are copies in host memory of every
         # tensor of this step, sharded or not (AdamW's step counts, BatchNorm's statistics).
@@ -238,8 +266,7 @@ class CheckpointManager:
         self._launch_writer(name, self._write_sharded,
                             (name, temporary, tensors, split.layout, raw, described, copies, group))
         if not self.config.async_checkpoint:
-            self._raise_everywhere(*self._wait_for_writer())
-            self._confirm()
+            self._settle(self._wait_for_writer())
 
     def side_group(self) -> Any:
         """The checkpoint's own gloo group, made once on every rank (a collective): DCP's planning and the ranks'
@@ -268,7 +295,7 @@ class CheckpointManager:
             failure = self._shard_failure(failed.rank, failed.error, temporary)
         except Exception as error:  # noqa: BLE001 - reported by rank 0; this thread must reach the gather
             failure = self._shard_failure(rank, error, temporary)
-        reports = [(written, failure)]
+        reports: list[tuple[dcp_files.Written, SaveFailure | None]] = [(written, failure)]
         try:
             if group is not None:
                 everyone: list[Any] | None = ([None] * self.runtime.identity.world_size if self.runtime.is_main
@@ -276,9 +303,10 @@ class CheckpointManager:
                 dist.gather_object((written, failure), everyone, dst=0, group=group)
                 reports = everyone or []
         except Exception as error:  # noqa: BLE001 - a save whose reports never arrived is a failed save
-            self._writer_error = (f"the ranks' reports of checkpoint {self.storage.describe(name)} did not reach "
-                                  f"rank 0 ({' '.join(str(error).split())[:300]}). The previous checkpoints are "
-                                  f"untouched")
+            # A rank that died ends the training's next collective anyway; one that was slow may do better next time.
+            self._writer_error = SaveFailure(f"the ranks' reports of checkpoint {self.storage.describe(name)} did not "
+                                             f"reach rank 0 ({' '.join(str(error).split())[:300]}). The previous "
+                                             f"checkpoints are untouched", transient=True)
             if self.runtime.is_main:
                 self.storage.abandon(temporary)
             return
@@ -288,24 +316,30 @@ class CheckpointManager:
             failures = [report[1] for report in reports if report[1]]
             if failures:
                 self.storage.abandon(temporary)
-                raise CheckpointError(f"{failures[0]}. The previous checkpoints are untouched")
+                self._writer_error = replace(failures[0], message=f"{failures[0].message}. The previous checkpoints "
+                                                                  f"are untouched")
+                return
             files = {filename: entry for report in reports for filename, entry in report[0].files.items()}
             items = {filename: offsets for report in reports for filename, offsets in report[0].items.items()}
             checksums = json.dumps(items, sort_keys=True).encode()
             self._write(name, raw, manifest_extra, started, temporary, files,
                         {dcp_files.ITEMS: lambda handle: handle.write(checksums)})
-        except CheckpointError as problem:
-            self._writer_error = str(problem)
         except Exception as problem:  # noqa: BLE001 - reported to every rank by the next save or finish
-            self._writer_error = f"checkpoint write failed: {problem!r}"
+            self._writer_error = self._failure_of(problem, name)
 
-    def _shard_failure(self, rank: int, error: BaseException, temporary: str) -> str:
+    def _shard_failure(self, rank: int, error: BaseException, temporary: str) -> SaveFailure:
         if isinstance(error, OSError):
-            return (f"rank {rank} could not write its shards into {self.storage.describe(temporary)} "
-                    f"({self.storage.reason(error)}); sharded checkpoints need a --checkpoint-dir that every rank "
-                    f"reaches (a shared file system or an object store)")
-        said = str(error) if isinstance(error, dcp_files.Relayed) else f"{type(error).__name__}: {error}"
-        return f"rank {rank} could not write its shards: {' '.join(said.split())[:300]}"
+            said = (f"rank {rank} could not write its shards into {self.storage.describe(temporary)} "
+                    f"({self.storage.reason(error)})")
+            if is_transient(error):  # an I/O error or a store's 5xx: the folder is right, the storage failed
+                return SaveFailure(said, transient=True)
+            return SaveFailure(f"{said}; sharded checkpoints need a --checkpoint-dir that every rank reaches (a "
+                               f"shared file system or an object store)", transient=False)
+        if isinstance(error, dcp_files.Relayed):  # another rank's, known by its type's name and words
+            said, transient = str(error), is_transient_type_name(str(error).split(":", 1)[0])
+        else:
+            said, transient = f"{type(error).__name__}: {error}", is_transient(error)
+        return SaveFailure(f"rank {rank} could not write its shards: {' '.join(said.split())[:300]}", transient)
 
     def _take(self, state: Any, path: str, deferrable: Callable[[str], bool]) -> tuple[Any, list[Snapshot]]:
         """Under --async-checkpoint, the state as host copies (trainer.checkpoint.snapshot) and the copies to
@@ -349,9 +383,8 @@ class CheckpointManager:
             snapshot.before_update()
 
     def finish(self) -> None:
-        """Wait for a background write and make its failure every rank's error."""
-        self._raise_everywhere(*self._wait_for_writer())
-        self._confirm()
+        """Wait for a background write and settle its outcome on every rank (``_settle``)."""
+        self._settle(self._wait_for_writer())
 
     def _confirm(self) -> None:
         """Every rank has just learnt that the save launched last committed (its error would have been raised):
@@ -418,22 +451,30 @@ class CheckpointManager:
         try:
             self._on_writer_thread(copies)
             self._write(name, state, manifest_extra)
-        except CheckpointError as problem:
-            self._writer_error = str(problem)
         except Exception as problem:  # noqa: BLE001 - reported to every rank by the next save or finish
-            self._writer_error = f"checkpoint write failed: {problem!r}"
+            self._writer_error = self._failure_of(problem, name)
 
-    def _wait_for_writer(self) -> tuple[str | None, bool]:
-        """The background write's error, if any, and whether it stalled past --checkpoint-timeout-s."""
+    def _failure_of(self, problem: Exception, name: str) -> SaveFailure:
+        """A write's error as every rank is told of it: a CheckpointError says itself; a storage client's own error
+        (botocore's, aiohttp's) is named with its words; anything else is a bug or a state that cannot be saved."""
+        if isinstance(problem, CheckpointError):
+            return SaveFailure(str(problem), is_transient(problem))
+        if is_transient(problem):
+            return SaveFailure(redact(f"could not write checkpoint {self.storage.describe(name)}: {described(problem)}"
+                                      f". The previous checkpoints are untouched", self.storage.location), True)
+        return SaveFailure(f"checkpoint write failed: {problem!r}", transient=False)
+
+    def _wait_for_writer(self) -> SaveFailure | None:
+        """The background write's failure, if any (stalled where it outlasted --checkpoint-timeout-s)."""
         if self._writer is not None:
             with self.runtime.busy(f"writing checkpoint {self._writer_name}"):
                 self._writer.join(max(0.0, self._writer_deadline - time.monotonic()))
             if self._writer.is_alive():
                 self._stalled = True
-                return self._stalled_message(self._writer_name), True
+                return SaveFailure(self._stalled_message(self._writer_name), transient=False, stalled=True)
             self._writer = None
-        error, self._writer_error = self._writer_error, None
-        return error, False
+        failure, self._writer_error = self._writer_error, None
+        return failure
 
     def _write(self, name: str, state: dict[str, Any], manifest_extra: dict[str, Any], started: float | None = None,
                temporary: str | None = None, shard_files: dict[str, dict[str, Any]] | None = None,
@@ -447,7 +488,7 @@ class CheckpointManager:
         def make_manifest(files: dict[str, dict[str, Any]]) -> bytes:
             # Called once every other file is written, just before the manifest makes the folder a checkpoint:
             # the last moment to find that this write may no longer commit (storage.commit then removes it).
-            reason = self._why_no_longer(name)
+            reason = self._why_no_longer(name, unreadable_lease=LeaseUnreadable)  # unreadable: a retry may read it
             if reason:
                 raise CheckpointError(f"checkpoint {self.storage.describe(name)} was not committed: {reason}")
             written.update(files)
@@ -550,16 +591,23 @@ class CheckpointManager:
                                  redact(described(error), self.storage.location))
 
     def _check_lease(self) -> None:
+        """CheckpointError if another job took the folder; LeaseUnreadable if the storage did not answer, after
+        LEASE_READ_RETRIES_S: a hiccup is not a lost lease."""
         if self.lease is None:
             return
-        try:
-            self.lease.check()
-        except CheckpointError:
-            raise
-        except Exception as error:  # noqa: BLE001 - any backend's error: the lease is not confirmed, nothing commits
-            raise LeaseUnreadable(f"could not read the lease of checkpoint folder {self.storage.describe()} "
-                                  f"({redact(described(error), self.storage.location)}), so this job cannot "
-                                  f"tell that the folder is still its own") from None
+        for pause in (*LEASE_READ_RETRIES_S, None):
+            try:
+                self.lease.check()
+                return
+            except CheckpointError:
+                raise
+            except Exception as error:  # noqa: BLE001 - any backend's error: not confirmed, nothing commits on it
+                if pause is None:
+                    raise LeaseUnreadable(
+                        f"could not read the lease of checkpoint folder {self.storage.describe()} "
+                        f"({redact(described(error), self.storage.location)}, {len(LEASE_READ_RETRIES_S) + 1} "
+                        f"tries), so this save cannot tell that the folder is still this job's") from None
+                time.sleep(pause)
 
     def _generation(self) -> int:
         """This job's lease generation (0 without a lease): an object store's save folders are named after it."""
@@ -607,18 +655,75 @@ class CheckpointManager:
                     self.log.warning("could not remove %s, left by a save that did not finish: %s",
                                      self.storage.describe(name), redact(described(error), self.storage.location))
 
-    def _raise_everywhere(self, error: str | None, stalled: bool = False) -> None:
-        """Rank 0's checkpoint error, raised on every rank, so no rank waits for one that has quit. Rank 0's
-        work before it (a save to slow storage) may outlast --collective-timeout-s: the others wait for it
-        while it is alive (trainer.liveness), up to --checkpoint-timeout-s (then ``stalled``: StorageStalled,
-        exit 200, which launchers retry)."""
+    def _settle(self, failure: SaveFailure | None) -> None:
+        """Every rank learns how the save launched last ended, from rank 0. Committed: on_commit is told. Failed on
+        an error a retry cannot fix: CheckpointError (exit 2); stalled past --checkpoint-timeout-s: StorageStalled
+        (exit 200). Failed on a storage error a retry may fix: a periodic save is one warning on every rank and
+        training goes on, up to --max-failed-saves in a row (then StorageUnavailable, exit 200, naming the last
+        committed checkpoint); a final save raises SaveRetry while rank 0's deadline leaves time for another try."""
+        if self._unconfirmed is None:
+            return  # no save outstanding (the same on every rank: set and cleared on all at once)
         self.runtime.wait_for_all("rank 0's checkpoint work")
-        error, stalled = broadcast_from_main((error, stalled), self.runtime)
-        if error:
-            kind = StorageStalled if stalled else CheckpointError
+        retry_s = None
+        if self.runtime.is_main and failure is not None and failure.transient and self._final_deadline is not None:
+            retry_s = self._final_retry_delay()
+        last = self._last_committed_said() if self.runtime.is_main else ""
+        failure, last, retry_s = broadcast_from_main((failure, last, retry_s), self.runtime)
+        if failure is None:
+            if self._unconfirmed is not None:
+                self.committed_step = self._unconfirmed.step
+            self.failed_in_a_row = 0
+            self._final_attempt = 0
+            self._confirm()
+            return
+        step = self._unconfirmed.step if self._unconfirmed is not None else None
+        self._unconfirmed = None
+        said = failure.message if self.runtime.is_main else f"rank 0 could not write the checkpoint: {failure.message}"
+        if failure.stalled:
+            raise StorageStalled(said)
+        if not failure.transient:
+            raise CheckpointError(said)
+        at = f" at step {step}" if step is not None else ""
+        if self._final_deadline is not None:
+            if retry_s is not None:
+                raise SaveRetry(f"the final checkpoint{at} was not saved: {said}; trying again in {retry_s:g}s",
+                                retry_s)
+            raise StorageUnavailable(f"the final checkpoint{at} was not saved, retried until its deadline: {said}. "
+                                     f"{last}; the job ends to be restarted from it")
+        self.failed_in_a_row += 1
+        allowed = self.config.max_failed_saves
+        if self.failed_in_a_row >= allowed:
+            raise StorageUnavailable(f"{self.failed_in_a_row} checkpoint save(s) in a row failed (--max-failed-saves "
+                                     f"{allowed}), the last{at}: {said}. {last}; the job ends to be restarted "
+                                     f"from it")
+        self.log.warning("checkpoint%s not saved (%d of --max-failed-saves %d in a row): %s. Training goes on; the "
+                         "next save tries again. %s", at, self.failed_in_a_row, allowed, said, last)
+
+    def _final_retry_delay(self) -> float | None:
+        """On rank 0: the pause before a failed final save's next try, or None if its deadline leaves no time."""
+        assert self._final_deadline is not None
+        delay = FINAL_SAVE_BACKOFF_S[min(self._final_attempt, len(FINAL_SAVE_BACKOFF_S) - 1)]
+        if time.monotonic() + delay >= self._final_deadline:
+            return None
+        self._final_attempt += 1
+        return delay
+
+    def _last_committed_said(self) -> str:
+        """The checkpoint a restart would resume from, in words (on rank 0)."""
+        if self.last_committed is not None:
+            return f"The last committed checkpoint is {self.storage.describe(self.last_committed)}"
+        return f"This run committed no checkpoint yet; the earlier ones in {self.storage.describe()} are intact"
+
+    def _raise_everywhere(self, failure: SaveFailure | None) -> None:
+        """Rank 0's error at the start (taking the lease), raised on every rank, so no rank waits for one that has
+        quit: StorageUnavailable (exit 200) where a retry may fix it."""
+        self.runtime.wait_for_all("rank 0's checkpoint work")
+        failure = broadcast_from_main(failure, self.runtime)
+        if failure is not None:
+            kind = StorageUnavailable if failure.transient else CheckpointError
             if self.runtime.is_main:
-                raise kind(error)
-            raise kind(f"rank 0 could not write the checkpoint: {error}")
+                raise kind(failure.message)
+            raise kind(f"rank 0 could not use the checkpoint folder: {failure.message}")
 
 
 def save_state(state: dict[str, Any], handle: Any) -> None:

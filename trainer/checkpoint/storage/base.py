@@ -23,8 +23,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import IO, Any
 
+from trainer.checkpoint.save_failures import is_transient
 from trainer.checkpoint.storage.checksum import ChecksumWriter
-from trainer.errors import CheckpointError
+from trainer.errors import CheckpointError, StorageUnavailable
 
 # ``step-<step>``, or ``step-<step>.<save>`` for a save committed in place: <save> is 32 hex digits, the saving
 # job's lease generation (8), which only grows from one holder of the folder to the next, then the save's start in
@@ -158,8 +159,11 @@ class CheckpointStorage(ABC):
         self._remove_quietly(temporary)
 
     def _failure(self, name: str, error: OSError) -> CheckpointError:
-        return CheckpointError(f"could not write checkpoint {self.describe(name)}: {self.reason(error)}. The "
-                               f"previous checkpoints are untouched; {_remedy(error, self.location)}")
+        said = (f"could not write checkpoint {self.describe(name)}: {self.reason(error)}. The previous checkpoints are "
+                f"untouched")
+        if is_transient(error):  # an I/O error, a store's 5xx or throttling: the next save may work
+            return StorageUnavailable(said)
+        return CheckpointError(f"{said}; {_remedy(error, self.location)}")
 
     def remove_temporaries(self) -> list[str]:
         """Delete folders left by saves that crashed; they never held a usable checkpoint, except a

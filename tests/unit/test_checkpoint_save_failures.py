@@ -1,0 +1,179 @@
+"""A save that fails on a storage error a retry may fix is not the end of the run: a periodic one is a warning and
+training goes on, up to --max-failed-saves in a row (then exit 200, naming the last committed checkpoint); the final
+one is tried again until its deadline. Errors a retry cannot fix stay exit 2. One process, world size 1: the same
+outcome reaches every rank through CheckpointManager._settle's broadcast, tested with real ranks in
+tests/integration/test_checkpoint_faults.py."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import time
+from collections.abc import Callable
+
+import pytest
+
+from tests.support.checkpoint_reading import state_at
+from trainer.checkpoint import CheckpointManager, Monitor, open_storage
+from trainer.checkpoint import manager as manager_module
+from trainer.checkpoint.manager import SaveRetry
+from trainer.checkpoint.save_failures import is_transient
+from trainer.checkpoint.storage import step_of
+from trainer.config import CheckpointConfig
+from trainer.errors import EXIT_PEER_LOST, EXIT_USAGE, CheckpointError, StorageUnavailable
+
+LOG = "save-failures-test"
+
+
+@pytest.fixture
+def manager_for(runtime, caplog) -> Callable[..., CheckpointManager]:
+    caplog.set_level(logging.INFO, logger=LOG)
+
+    def make(location: str, **config: object) -> CheckpointManager:
+        manager = CheckpointManager(CheckpointConfig(**config), location, runtime,  # type: ignore[arg-type]
+                                    logging.getLogger(LOG), Monitor("accuracy", "max"))
+        manager.prepare()
+        return manager
+    return make
+
+
+def failing_state_files(manager: CheckpointManager, monkeypatch: pytest.MonkeyPatch, error: OSError,
+                        steps: set[int]) -> None:
+    """The state file of the saves of ``steps`` fails to write with ``error`` (an EIO from NFS, a 5xx from a store)."""
+    storage = manager.storage
+    write_file = storage.write_file
+
+    def failing(temporary: str, filename: str, write_content: object) -> object:
+        if filename == "state.pt" and any(f"step-{step:08d}" in temporary for step in steps):
+            raise error
+        return write_file(temporary, filename, write_content)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(storage, "write_file", failing)
+
+
+def committed(location: str) -> list[int]:
+    return [step_of(name) or 0 for name in open_storage(location).list_checkpoints()]
+
+
+def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_periodic_saves_that_fail_on_a_storage_error_are_warnings_until_too_many_fail_in_a_row(
+        manager_for, tmp_path, monkeypatch, caplog, asynchronous):
+    location = str(tmp_path / "ckpt")
+    manager = manager_for(location, max_failed_saves=3, async_checkpoint=asynchronous)
+    manager.save(state_at(1))
+    failing_state_files(manager, monkeypatch, OSError(errno.EIO, "Input/output error"), {2, 3, 5, 6, 7})
+    for step in (2, 3, 4, 5, 6):  # two failures, one that commits (the count starts again), two more
+        manager.save(state_at(step))
+    manager.finish()
+    assert committed(location) == [4, 1]
+    said = warnings(caplog)
+    assert len(said) == 4, said
+    assert said[0] == (f"checkpoint at step 2 not saved (1 of --max-failed-saves 3 in a row): could not write "
+                       f"checkpoint {location}/step-00000002: Input/output error. The previous checkpoints are "
+                       f"untouched. Training goes on; the next save tries again. The last committed checkpoint is "
+                       f"{location}/step-00000001"), said[0]
+    assert said[3].startswith("checkpoint at step 6 not saved (2 of --max-failed-saves 3 in a row)"), said[3]
+    assert said[3].endswith(f"The last committed checkpoint is {location}/step-00000004"), said[3]
+    assert manager.committed_step == 4
+    with pytest.raises(StorageUnavailable) as ended:
+        manager.save(state_at(7))
+        manager.finish()
+    assert str(ended.value) == (f"3 checkpoint save(s) in a row failed (--max-failed-saves 3), the last at step 7: "
+                                f"could not write checkpoint {location}/step-00000007: Input/output error. The previous "
+                                f"checkpoints are untouched. The last committed checkpoint is {location}/step-00000004; "
+                                f"the job ends to be restarted from it")
+    assert ended.value.exit_code == EXIT_PEER_LOST
+    assert committed(location) == [4, 1]  # nothing lost, nothing half-written left as a checkpoint
+    assert [path.name for path in (tmp_path / "ckpt").iterdir() if path.name.startswith(".tmp")] == []
+
+
+def test_errors_a_retry_cannot_fix_end_the_run_at_once_as_errors_of_the_input(manager_for, tmp_path, monkeypatch):
+    location = str(tmp_path / "ckpt")
+    manager = manager_for(location, max_failed_saves=5)
+    manager.save(state_at(1))
+    failing_state_files(manager, monkeypatch, PermissionError(errno.EACCES, "Permission denied"), {2})
+    with pytest.raises(CheckpointError) as refused:
+        manager.save(state_at(2))
+    assert not isinstance(refused.value, StorageUnavailable) and refused.value.exit_code == EXIT_USAGE
+    assert "Permission denied" in str(refused.value) and "fix permissions on" in str(refused.value)
+    assert committed(location) == [1]
+
+
+def test_a_final_save_is_tried_again_until_its_deadline_then_ends_the_run_to_be_restarted(manager_for, tmp_path,
+                                                                                         monkeypatch):
+    location = str(tmp_path / "ckpt")
+    manager = manager_for(location, max_failed_saves=1)  # the bound is for periodic saves: a final one retries
+    manager.save(state_at(1))
+    failing_state_files(manager, monkeypatch, OSError(errno.EBUSY, "Please reduce your request rate."), {2})
+    delays = []
+    for _ in range(3):
+        with pytest.raises(SaveRetry) as retry:
+            manager.save(state_at(2), final_deadline=time.monotonic() + 60)
+        delays.append(retry.value.delay_s)
+    assert delays == [1.0, 2.0, 4.0]  # backing off
+    assert "the final checkpoint at step 2 was not saved: could not write checkpoint" in str(retry.value)
+    with pytest.raises(StorageUnavailable, match=r"^the final checkpoint at step 2 was not saved, retried until its "
+                                                 r"deadline: .*Please reduce your request rate.* The last committed "
+                                                 r"checkpoint is .*/step-00000001; the job ends to be restarted"):
+        manager.save(state_at(2), final_deadline=time.monotonic() + 5)  # 8 s would be the next pause
+    monkeypatch.undo()
+    manager.save(state_at(2), final_deadline=time.monotonic() + 60)
+    manager.finish()
+    assert committed(location) == [2, 1] and manager.committed_step == 2
+
+
+def test_a_lease_the_storage_does_not_return_is_read_again_not_taken_for_lost(manager_for, tmp_path, monkeypatch,
+                                                                             caplog):
+    location = str(tmp_path / "ckpt")
+    manager = manager_for(location, max_failed_saves=2)
+    monkeypatch.setattr(manager_module, "LEASE_READ_RETRIES_S", (0.0, 0.0, 0.0))
+    assert manager.lease is not None
+    check = manager.lease.check
+    failures = {"left": 2}
+
+    def flaky() -> None:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise OSError(errno.EBUSY, "Please reduce your request rate.")
+        check()
+
+    monkeypatch.setattr(manager.lease, "check", flaky)
+    manager.save(state_at(1))  # two failed reads, then the third: committed
+    assert committed(location) == [1] and warnings(caplog) == []
+    failures["left"] = 1000
+    manager.save(state_at(2))  # never readable: the save fails as on any storage error, a warning
+    said = warnings(caplog)
+    assert len(said) == 1 and "could not read the lease of checkpoint folder" in said[0], said
+    assert "4 tries)" in said[0] and "taken over" not in said[0], said[0]
+    failures["left"] = 0
+    manager.save(state_at(3))
+    assert committed(location) == [3, 1]
+
+
+@pytest.mark.parametrize(("error", "transient"), [
+    (OSError(errno.EIO, "Input/output error"), True),
+    (OSError(errno.EBUSY, "Please reduce your request rate."), True),  # s3fs's SlowDown, 503
+    (TimeoutError("timed out"), True),
+    (ConnectionResetError(errno.ECONNRESET, "reset"), True),
+    (PermissionError(errno.EACCES, "denied"), False),
+    (FileNotFoundError(errno.ENOENT, "no such bucket"), False),
+    (OSError(errno.ENOSPC, "full"), False),
+    (StorageUnavailable("stalled store"), True),
+    (CheckpointError("taken over"), False),
+    (TypeError("cannot pickle"), False),
+])
+def test_which_errors_a_retry_may_fix(error, transient):
+    assert is_transient(error) is transient
+
+
+def test_a_storage_clients_own_errors_are_told_apart_by_their_codes():
+    botocore = pytest.importorskip("botocore.exceptions")
+    throttled = botocore.ClientError({"Error": {"Code": "SlowDown", "Message": "slow down"}}, "PutObject")
+    denied = botocore.ClientError({"Error": {"Code": "AccessDenied", "Message": "no"}}, "PutObject")
+    missing = botocore.ClientError({"Error": {"Code": "NoSuchBucket", "Message": "no"}}, "PutObject")
+    unreachable = botocore.EndpointConnectionError(endpoint_url="http://127.0.0.1:9")
+    assert [is_transient(error) for error in (throttled, denied, missing, unreachable)] == [True, False, False, True]
