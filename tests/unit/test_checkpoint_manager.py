@@ -620,8 +620,8 @@ def save_held_midway(manager: CheckpointManager, monkeypatch: pytest.MonkeyPatch
 
 def test_a_write_whose_job_lost_the_lease_meanwhile_never_commits(manager_for, tmp_path, monkeypatch):
     """A replacement takes the lease while this rank 0's write is under way (--take-over-checkpoint-dir, or a
-    partitioned node, a stalled disk): the lease is checked again at the commit itself, so the old write neither commits nor
-    moves the new job's same-step folder aside."""
+    partitioned node, a stalled disk): the lease is checked again at the commit itself, so the old write neither
+    commits nor moves the new job's same-step folder aside."""
     from trainer.checkpoint.lease import CheckpointLease
 
     manager = manager_for(str(tmp_path), async_checkpoint=True)

@@ -82,10 +82,10 @@ def test_periodic_saves_that_fail_on_a_storage_error_are_warnings_until_too_many
     with pytest.raises(StorageUnavailable) as ended:
         manager.save(state_at(7))
         manager.finish()
-    assert str(ended.value) == (f"3 checkpoint save(s) in a row failed (--max-failed-saves 3), the last at step 7: "
-                                f"could not write checkpoint {location}/step-00000007: Input/output error. The previous "
-                                f"checkpoints are untouched. The last committed checkpoint is {location}/step-00000004; "
-                                f"the job ends to be restarted from it")
+    assert str(ended.value) == (
+        f"3 checkpoint save(s) in a row failed (--max-failed-saves 3), the last at step 7: could not write checkpoint "
+        f"{location}/step-00000007: Input/output error. The previous checkpoints are untouched. The last committed "
+        f"checkpoint is {location}/step-00000004; the job ends to be restarted from it")
     assert ended.value.exit_code == EXIT_PEER_LOST
     assert committed(location) == [4, 1]  # nothing lost, nothing half-written left as a checkpoint
     assert [path.name for path in (tmp_path / "ckpt").iterdir() if path.name.startswith(".tmp")] == []
