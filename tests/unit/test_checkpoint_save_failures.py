@@ -176,4 +176,9 @@ def test_a_storage_clients_own_errors_are_told_apart_by_their_codes():
     denied = botocore.ClientError({"Error": {"Code": "AccessDenied", "Message": "no"}}, "PutObject")
     missing = botocore.ClientError({"Error": {"Code": "NoSuchBucket", "Message": "no"}}, "PutObject")
     unreachable = botocore.EndpointConnectionError(endpoint_url="http://127.0.0.1:9")
-    assert [is_transient(error) for error in (throttled, denied, missing, unreachable)] == [True, False, False, True]
+    no_credentials = botocore.NoCredentialsError()
+    assert [is_transient(error) for error in (throttled, denied, missing, unreachable, no_credentials)] == [
+        True, False, False, True, False]
+    s3fs_errors = pytest.importorskip("s3fs.errors")  # what s3fs makes of them: errno-less PermissionError, EBUSY
+    assert [is_transient(s3fs_errors.translate_boto_error(error)) for error in (throttled, denied, missing)] == [
+        True, False, False]

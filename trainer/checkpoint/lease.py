@@ -34,10 +34,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from trainer.checkpoint.storage import CheckpointStorage, NotAFile
 from trainer.errors import CheckpointError
+from trainer.launchers.base import kernel_boot_id
 
 RENEWER_JOIN_S = 5.0
 LEASE_FOLDER = ".lease"
@@ -337,8 +337,6 @@ def process_place() -> tuple[str, str]:
     """This process's kernel boot id and pid namespace ("" where unknown: not Linux): two records that agree on
     both were written where a pid names the same process."""
     try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        namespace = os.readlink("/proc/self/ns/pid")
+        return kernel_boot_id(), os.readlink("/proc/self/ns/pid")
     except OSError:
         return "", ""
-    return boot, namespace

@@ -140,20 +140,20 @@ class CheckpointManager:
 
     def load(self, resume: str) -> LoadedCheckpoint | None:
         """Rank 0 finds and verifies the checkpoint to resume from and sends it to every rank."""
-        outcome: LoadedCheckpoint | str | None = None
+        outcome: LoadedCheckpoint | SaveFailure | None = None
         if self.runtime.is_main:
             try:
                 found = self._find(resume)
                 # Never the whole state to every rank: each reads what it holds from the files.
                 outcome = None if found is None else found.for_every_rank()
-            except CheckpointError as problem:
-                outcome = str(problem)
+            except CheckpointError as problem:  # StorageUnavailable where the storage failed: exit 200, retried
+                outcome = SaveFailure(str(problem), is_transient(problem))
             except UnknownFormat as problem:
-                outcome = str(problem)
+                outcome = SaveFailure(str(problem), transient=False)
         self.runtime.wait_for_all("rank 0 to read the checkpoint to resume from")
         outcome = broadcast_from_main(outcome, self.runtime)
-        if isinstance(outcome, str):
-            raise CheckpointError(outcome)
+        if isinstance(outcome, SaveFailure):
+            raise (StorageUnavailable if outcome.transient else CheckpointError)(outcome.message)
         return outcome
 
     def _find(self, resume: str) -> LoadedCheckpoint | None:
@@ -164,7 +164,7 @@ class CheckpointManager:
         try:
             names = self.storage.list_checkpoints()
         except Exception as error:  # noqa: BLE001 - any backend's error: the folder's checkpoints are unknown
-            raise CheckpointError(redact(
+            raise (StorageUnavailable if is_transient(error) else CheckpointError)(redact(
                 f"cannot list checkpoint folder {self.storage.describe()} ({described(error)}); the run does not "
                 f"start afresh over checkpoints it cannot see: start it again once the storage answers, or pass "
                 f"--resume none", self.storage.location)) from None

@@ -25,6 +25,10 @@ STORAGE_CLIENT_PACKAGES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "req
 PERMANENT_CODES = frozenset({"AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "SignatureDoesNotMatch",
                              "NoSuchBucket", "InvalidBucketName", "AccountProblem", "ExpiredToken",
                              "InvalidToken", "403", "404"})
+# A storage client's errors of configuration, which no retry fixes (botocore's: no credentials, no region).
+PERMANENT_TYPE_NAMES = frozenset({"NoCredentialsError", "PartialCredentialsError", "NoRegionError",
+                                  "ParamValidationError", "ProfileNotFound", "InvalidRegionError",
+                                  "UnknownServiceError", "InvalidConfigError"})
 # The type names an error relayed from another rank may carry (trainer.checkpoint.dcp_files.Relayed holds the
 # type's name and words only): those of the client errors above a retry may fix.
 TRANSIENT_TYPE_NAMES = frozenset({"ClientError", "ConnectionError", "EndpointConnectionError", "ConnectTimeoutError",
@@ -57,6 +61,8 @@ def is_transient(error: BaseException) -> bool:
         return code not in PERMANENT_CODES
     if isinstance(error, OSError):  # no errno: a client's connection error (aiohttp's ClientOSError, a timeout)
         return True
+    if type(error).__name__ in PERMANENT_TYPE_NAMES:
+        return False
     return type(error).__module__.split(".")[0] in STORAGE_CLIENT_PACKAGES
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Mapping
 
-from trainer.launchers.base import LaunchEnv, Launcher, is_loopback
+from trainer.launchers.base import LaunchEnv, Launcher, is_loopback, kernel_boot_id
 from trainer.launchers.identity import DistIdentity
 from trainer.launchers.plain import PlainEnvironment
 from trainer.launchers.pytorchjob import PyTorchJob
@@ -48,10 +48,12 @@ def launcher_of(env: LaunchEnv) -> Launcher:
 
 
 def identity_from_env(env: Mapping[str, str], hostname: str | None = None, master_port: int = 0,
-                      job_id: str = "") -> DistIdentity:
+                      job_id: str = "", boot_id: str | None = None) -> DistIdentity:
     """Read the launcher's variables into a DistIdentity; one clear error for each inconsistency.
 
     ``master_port``: the port to use where the launcher names none (Slurm; --master-port), 0 to derive it.
-    ``job_id``: --job-id, the job's name for the checkpoint folder's lease (``DDP_JOB_ID`` otherwise)."""
-    launch = LaunchEnv(env, hostname or socket.gethostname(), master_port, job_id)
+    ``job_id``: --job-id, the job's name for the checkpoint folder's lease (``DDP_JOB_ID`` otherwise).
+    ``boot_id``: this host's kernel boot id (read from /proc where None)."""
+    launch = LaunchEnv(env, hostname or socket.gethostname(), master_port, job_id,
+                       kernel_boot_id() if boot_id is None else boot_id)
     return launcher_of(launch).identity(launch)

@@ -19,7 +19,7 @@ from typing import ClassVar
 from trainer.errors import LaunchEnvError
 from trainer.launchers.identity import DistIdentity
 
-__all__ = ["TORCHRUN_HINT", "LaunchEnv", "Launcher", "is_loopback"]
+__all__ = ["TORCHRUN_HINT", "LaunchEnv", "Launcher", "is_loopback", "kernel_boot_id"]
 
 TORCHRUN_HINT = "start the trainer through torchrun (torchrun --nnodes ... --nproc-per-node ... trainer/main.py)"
 # The variables that make a process one of a group in the plain, torchrun and PyTorchJob dialects.
@@ -36,6 +36,7 @@ class LaunchEnv:
     hostname: str
     master_port: int = 0  # --master-port: where the launcher names none (Slurm); 0 derives it
     job_id: str = ""  # --job-id
+    boot_id: str = ""  # this host's kernel boot id ("" where unknown): see Launcher.job_at_address
     present: frozenset[str] = field(init=False)  # the variables set to something other than blanks
 
     def __post_init__(self) -> None:
@@ -95,6 +96,15 @@ class Launcher(ABC):
             return f"{self.name}@{master_addr}:{master_port}", True
         return f"{self.name}-{env.hostname}-{os.getpid()}", False
 
+    def job_at_address(self, env: LaunchEnv, master_addr: str, master_port: int) -> tuple[str, bool]:
+        """For ranks started by hand or by a static rendezvous, where nothing but the address names the job: the
+        address (as ``job``) and the kernel boot id of the host, which is rank 0's there (rank 0 runs at the
+        master address), whose lease is the only one taken. Two such jobs on two hosts with the same address
+        (two Compose stacks whose first node is ``node0``) are then two jobs; a restart on the same host (until
+        it reboots) is the same one. The other ranks' ids name their own hosts and are never used."""
+        job, named = Launcher.job(self, env, master_addr, master_port)
+        return (f"{job}/{env.boot_id[:8]}" if named and env.boot_id else job), named
+
     def place(self, env: LaunchEnv, rank: int, local_rank: int, world_size: int, local_world_size: int,
               node_rank: int, num_nodes: int, master: tuple[str, int], restart_count: int = 0,
               **extra: bool | int | None) -> DistIdentity:
@@ -142,6 +152,16 @@ def tcp_port(env: LaunchEnv, name: str) -> int:
     if port > 65535:
         raise LaunchEnvError(f"{name}={port} is not a TCP port; set it to a value in 1-65535")
     return port
+
+
+def kernel_boot_id() -> str:
+    """This host's kernel boot id (Linux; "" elsewhere): the same in every container on the host, new at each
+    boot."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as handle:
+            return handle.read().strip()
+    except OSError:
+        return ""
 
 
 def is_loopback(address: str) -> bool:

@@ -36,4 +36,4 @@ class PlainEnvironment(Launcher):
     def job(self, env: LaunchEnv, master_addr: str, master_port: int) -> tuple[str, bool]:
         # In an srun step a requeue may start on another first node: the job and step, not the master's address,
         # are kept. (Processes the batch script starts itself are told apart by their address, as anywhere.)
-        return slurm_job(env) if in_srun_step(env) else super().job(env, master_addr, master_port)
+        return slurm_job(env) if in_srun_step(env) else self.job_at_address(env, master_addr, master_port)

@@ -48,7 +48,7 @@ class Torchrun(Launcher):
             # when a new rendezvous round moves the agent's store (MASTER_ADDR:MASTER_PORT) to another node.
             return f"torchrun-{run_id}", True
         if not is_loopback(master_addr):
-            return f"torchrun@{master_addr}:{master_port}", True
+            return self.job_at_address(env, master_addr, master_port)
         # A static rendezvous on a loopback address: its workers are the agent's children, and a restart keeps
         # the agent, so the attempt is the agent's (unnamed: another host's agent may have the same address).
         return f"torchrun-agent-{env.hostname}-{os.getppid()}", False

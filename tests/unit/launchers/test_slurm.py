@@ -144,7 +144,7 @@ def test_slurms_special_steps_are_not_srun_tasks_and_a_random_torchrun_id_is_no_
         with pytest.raises(LaunchEnvError, match="runs in the batch script itself"):
             identity_from_env(batch)
         plain = identity_from_env({**batch, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "n1",
-                                   "MASTER_PORT": "29500"}, hostname="n1")
+                                   "MASTER_PORT": "29500"}, hostname="n1", boot_id="")
         assert (plain.launcher, plain.rank, plain.job) == ("env", 1, "env@n1:29500")
     standalone = {**TASK_1, "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
                   "MASTER_ADDR": "n1", "MASTER_PORT": "29400",

@@ -9,8 +9,9 @@ import uuid
 from importlib import metadata
 from typing import IO
 
+from trainer.checkpoint.save_failures import is_transient
 from trainer.checkpoint.storage.base import MANIFEST, TEMP_PREFIX, CheckpointStorage, NotAFile
-from trainer.errors import CheckpointError
+from trainer.errors import CheckpointError, StorageUnavailable
 from trainer.redact import redact
 
 # The first releases whose exclusive create ("xb") is a conditional write on the store (If-None-Match: *),
@@ -122,6 +123,9 @@ class FsspecStorage(CheckpointStorage):
             self.fs.pipe_file(probe, b"ok")
             self.fs.rm(probe)
         except Exception as error:  # noqa: BLE001 - fsspec backends raise their own exception types
+            if is_transient(error):  # throttled, a 5xx, unreachable: the restarted job may find it answering
+                raise StorageUnavailable(redact(f"checkpoint location {self.location} did not answer ({error})",
+                                                self.location)) from None
             raise CheckpointError(redact(  # the client's own words may quote the URL's secrets without a scheme
                 f"checkpoint location {self.location} is not writable ({error}); check the URL and credentials",
                 self.location)) from None
