@@ -159,8 +159,8 @@ class CheckpointStorage(ABC):
         self._remove_quietly(temporary)
 
     def _failure(self, name: str, error: OSError) -> CheckpointError:
-        said = (f"could not write checkpoint {self.describe(name)}: {self.reason(error)}. The previous checkpoints are "
-                f"untouched")
+        said = (f"could not write checkpoint {self.describe(name)}: {self.reason(error).rstrip('.')}. The previous "
+                f"checkpoints are untouched")
         if is_transient(error):  # an I/O error, a store's 5xx or throttling: the next save may work
             return StorageUnavailable(said)
         return CheckpointError(f"{said}; {_remedy(error, self.location)}")

@@ -12,12 +12,17 @@ from typing import IO
 from trainer.checkpoint.save_failures import is_transient
 from trainer.checkpoint.storage.base import MANIFEST, TEMP_PREFIX, CheckpointStorage, NotAFile
 from trainer.errors import CheckpointError, StorageUnavailable
+from trainer.object_store_client import bounded_options, without_own_retries
 from trainer.redact import redact
 
 # The first releases whose exclusive create ("xb") is a conditional write on the store (If-None-Match: *),
 # read in their source: before, s3fs wrote over an existing object. Other backends are tried (see
 # FsspecStorage._check_exclusive_create).
 EXCLUSIVE_CREATE_SINCE = {"s3fs": "2024.12.0"}
+# A request to the store: attempts (botocore's backoff between them) and its connect/read timeout. A part of a
+# checkpoint's upload is answered well within the timeout at any usable bandwidth.
+CLIENT_ATTEMPTS = 3
+CLIENT_REQUEST_TIMEOUT_S = 60.0
 
 
 class FsspecStorage(CheckpointStorage):
@@ -38,7 +43,13 @@ class FsspecStorage(CheckpointStorage):
 
             # No cached listings: a job must see the lease files and checkpoints as they are now, never as its own
             # client last listed them (a job woken from a pause would pass its lease check on a stale listing).
-            self.fs, self.root = fsspec.core.url_to_fs(location, use_listings_cache=False)
+            # A few attempts per request, not s3fs's and botocore's minute of them: a save that fails is tried
+            # again at the next save point (trainer.checkpoint.save_failures), and training waits for none.
+            protocol = location.split("://", 1)[0]
+            self.fs, self.root = fsspec.core.url_to_fs(
+                location, use_listings_cache=False,
+                **bounded_options(protocol, CLIENT_ATTEMPTS, CLIENT_REQUEST_TIMEOUT_S))
+            without_own_retries(self.fs)
         except (ImportError, ValueError) as error:
             raise CheckpointError(
                 f"--checkpoint-dir {location}: no filesystem for this URL ({error}); install the fsspec "

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer.errors import DataError, DataUnavailable, described
+from trainer.object_store_client import bounded_options, without_own_retries
 from trainer.redact import redact
 
 __all__ = ["RetryPolicy", "ShardStore"]
@@ -70,19 +71,15 @@ class ShardStore:
             import fsspec
 
             protocol = self.url.split("://", 1)[0] if "://" in self.url else "file"
-            options: dict[str, Any] = {"skip_instance_cache": True, "use_listings_cache": False}
-            if protocol in ("s3", "s3a"):
-                timeout = self.retry.request_timeout_s
-                # total_max_attempts 1: botocore's own retries off ("max_attempts": 1 means one retry more)
-                options["config_kwargs"] = {"connect_timeout": min(10.0, timeout), "read_timeout": timeout,
-                                            "retries": {"total_max_attempts": 1}}
+            # One attempt per request: ours are the retries (RetryPolicy), with their own backoff.
+            options: dict[str, Any] = {"skip_instance_cache": True, "use_listings_cache": False,
+                                       **bounded_options(protocol, 1, self.retry.request_timeout_s)}
             try:
                 fs, root = fsspec.core.url_to_fs(self.url, **options)
             except (ImportError, ValueError) as error:
                 raise DataError(f"--data-dir {self.shown}: no filesystem for this URL ({error}); install its fsspec "
                                 f"package (s3fs for s3://, gcsfs for gs://) or use a local folder") from None
-            if hasattr(fs, "retries"):  # s3fs retries 5 times by itself, each up to the timeout: ours bound it
-                fs.retries = 1
+            without_own_retries(fs)
             # The client last, ready: another thread's check without the lock sees it whole or not at all.
             self._root, self._pid = root.rstrip("/"), os.getpid()
             self._fs = fs
