@@ -10,10 +10,11 @@ from typing import Any
 
 import torch.distributed as dist
 
+from trainer.checkpoint.save_failures import is_transient
 from trainer.checkpoint.schema import READABLE
 from trainer.checkpoint.storage import MANIFEST, CheckpointStorage, NotAFile, crc32_hex
 from trainer.checkpoint.storage.checksum import crc32
-from trainer.errors import CheckpointError
+from trainer.errors import CheckpointError, StorageUnavailable
 
 STATE_FILE = "state.pt"
 # Ours are well under 4 KB; a larger one is not read (it could be anything, of any size).
@@ -29,19 +30,22 @@ class InvalidCheckpoint(Exception):
     """Why one checkpoint folder cannot be used (it is skipped, the next older one is tried)."""
 
 
-class StorageUnreadable(CheckpointError):
+class StorageUnreadable(StorageUnavailable):
     """A checkpoint's file that the storage did not return (an I/O error, a throttled or unreachable store): nothing
-    is decided on it, the checkpoint is neither skipped for an older one nor taken; the resume stops in one line."""
+    is decided on it, the checkpoint is neither skipped for an older one nor taken; the resume stops in one line,
+    with exit 200 (the restarted job finds the store answering)."""
 
 
 def unreadable(filename: str, error: OSError) -> Exception:
     """What a failed read of one of the checkpoint's files means: a file gone is the checkpoint's fault (skipped for
-    an older one); any other error the storage's, which may not repeat (the resume stops: StorageUnreadable)."""
+    an older one); any other error the storage's, which may not repeat (the resume stops: StorageUnreadable, or a
+    CheckpointError where no retry fixes it, no permission)."""
     if isinstance(error, FileNotFoundError):
         return InvalidCheckpoint(f"{filename} is missing (the manifest lists it)")
-    return StorageUnreadable(f"{filename} unreadable ({error.strerror or error}); the checkpoint is not skipped for an "
-                             f"older one on an error the storage may not repeat: start the run again once it "
-                             f"answers, or pass --resume with another checkpoint or none")
+    said = (f"{filename} unreadable ({error.strerror or error}); the checkpoint is not skipped for an older one on an "
+            f"error the storage may not repeat: start the run again once it answers, or pass --resume with another "
+            f"checkpoint or none")
+    return StorageUnreadable(said) if is_transient(error) else CheckpointError(said)
 
 
 class UnknownFormat(Exception):

@@ -1,0 +1,94 @@
+"""Storage faults injected into a real S3-compatible server on loopback (moto behind tests/support/s3_faults.py),
+during periodic saves, the final save and a resume, with two real ranks: periodic saves that fail are warnings on
+every rank and training goes on, a stall holds a save until the store answers, the final save is tried again until
+it commits, a lease the store does not return for longer than its expiry is neither lost nor taken, a resume whose
+store fails ends with exit 200 and never starts afresh; nothing is lost, and the final weights equal, bitwise,
+those of the same run without faults."""
+
+from __future__ import annotations
+
+import re
+import time
+
+from devtools.processes import env_ranks
+from devtools.s3_faults import matching
+from tests.support.checkpoint_reading import assert_same_tensors, whole
+from trainer.checkpoint import open_storage, verify
+from trainer.checkpoint.storage import step_of
+from trainer.errors import EXIT_PEER_LOST
+
+# 2 ranks x 8 samples a step: 6 steps; a save at every step, the lease renewed every second.
+ARGS = ["--dataset", "synthetic", "--synthetic-train-size", "96", "--synthetic-test-size", "16", "--batch-size", "8",
+        "--epochs", "1", "--progress", "off", "--no-tensorboard", "--checkpoint-every", "1", "--lease-expiry-s", "4",
+        "--keep-last", "10", "--job-id", "faults-test"]
+STEPS = 6
+
+
+def train(location: str, output: str, env: dict[str, str], *more: str) -> list:
+    return env_ranks([*ARGS, "--checkpoint-dir", location, "--output-dir", output, *more], world_size=2, env=env,
+                     timeout_s=240)
+
+
+def final_model(location: str) -> dict:
+    storage = open_storage(location)
+    (newest, *_) = storage.list_checkpoints()
+    assert step_of(newest) == STEPS, storage.list_checkpoints()
+    return whole(verify(storage, newest))["model"]
+
+
+def test_saves_and_a_resume_through_a_failing_store_lose_nothing_and_train_as_without_faults(s3_env, s3_faults,
+                                                                                          tmp_path):
+    env = s3_faults.env
+    reference = f"s3://{s3_env.new_bucket()}/ckpt"
+    ranks = train(reference, str(tmp_path / "reference"), env)
+    assert [rank.returncode for rank in ranks] == [0, 0], ranks[0].stderr[-3000:]
+
+    location = f"s3://{s3_env.new_bucket()}/ckpt"
+    bucket = location.removeprefix("s3://").split("/")[0]
+    under = f"/{bucket}/ckpt/"
+    # Steps 2 and 3: every request of the save is throttled, then answered with 500s (two failed saves in a row,
+    # under --max-failed-saves 3); step 4: its uploads stall for 3 s (the save waits, then commits); step 6 (the
+    # last): every request is reset for 12 s, its periodic save fails and the final one is tried again until the
+    # store answers; and the lease's file is refused for 6 s (longer than its 4 s expiry) once taken.
+    s3_faults.fail("slowdown", 600, matching(under=under, contains="/step-00000002."))
+    s3_faults.fail("error500", 600, matching(under=under, contains="/step-00000003."))
+    # A fault with ``after`` starts at the request after that many: when training gets there.
+    s3_faults.fail("stall", 3, matching(methods=["PUT"], under=under, contains="/step-00000004."), after=1)
+    s3_faults.fail("reset", 12, matching(under=under, contains="/step-00000006."), after=1)
+    s3_faults.fail("slowdown", 6, matching(under=under, contains="/.lease/"), after=1)
+    started = time.monotonic()
+    ranks = train(location, str(tmp_path / "faults"), env)
+    took = time.monotonic() - started
+    logs = [rank.stderr for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], logs[0][-5000:]
+    print(f"the run through the faults took {took:.0f}s; requests failed: "
+          f"{ {kind: s3_faults.failed(kind) for kind in ('slowdown', 'error500', 'reset', 'stall')} }")
+    for rank, log in enumerate(logs):
+        assert "Traceback" not in log, log[-5000:]
+        skipped = re.findall(r"checkpoint at step (\d+) not saved \((\d) of --max-failed-saves 3 in a row\)", log)
+        assert [step for step, _ in skipped][:2] == ["2", "3"] and [count for _, count in skipped][:2] == ["1", "2"], (
+            rank, skipped, log[-5000:])
+        assert "Please reduce your request rate" in log and "We encountered an internal error" in log, rank
+        assert re.search(r"the final checkpoint at step 6 was not saved: .*; trying again in 1s", log), log[-5000:]
+    assert "taken over" not in "".join(logs) and "could not renew the lease" in logs[0]
+    assert s3_faults.failed("stall") >= 1 and s3_faults.failed("reset") >= 1
+    storage = open_storage(location)
+    saved = sorted(step_of(name) or 0 for name in storage.list_checkpoints())
+    assert saved[0] == 1 and {4, 5, 6} <= set(saved) and not {2, 3} & set(saved), saved
+    assert_same_tensors(final_model(location), final_model(reference))
+
+    # A resume whose store throttles every read of a checkpoint: exit 200 on every rank, in one line; nothing
+    # starts afresh, nothing is skipped for an older checkpoint.
+    s3_faults.fail("slowdown", 600, matching(methods=["GET"], under=under, contains="/step-"))
+    resumed = train(location, str(tmp_path / "resume-refused"), env)
+    for rank in resumed:
+        assert rank.returncode == EXIT_PEER_LOST, rank.stderr[-3000:]
+        assert "Traceback" not in rank.stderr
+        [line] = [line for line in rank.stderr.splitlines() if "error:" in line]
+        assert "manifest.json unreadable (Please reduce your request rate" in line and line.endswith(
+            f"exiting with {EXIT_PEER_LOST} so the launcher restarts the job from its last checkpoint"), line
+    s3_faults.clear()
+    again = train(location, str(tmp_path / "resume"), env)
+    assert [rank.returncode for rank in again] == [0, 0], again[0].stderr[-3000:]
+    assert "all 1 epochs are done" in again[0].stderr, again[0].stderr[-3000:]
+    assert_same_tensors(final_model(location), final_model(reference))
