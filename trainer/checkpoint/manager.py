@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.serialization import config as serialization_config
 
-from trainer.checkpoint import dcp_files, shards
+from trainer.checkpoint import dcp_errors, dcp_items, dcp_writer, shards
 from trainer.checkpoint.lease import CheckpointLease
 from trainer.checkpoint.reading import MAX_MANIFEST_BYTES, STATE_FILE, InvalidCheckpoint, UnknownFormat
 from trainer.checkpoint.schema import DCP_FORMAT, FORMAT, TrainingState, library_versions
@@ -207,12 +207,12 @@ class CheckpointManager:
             self._confirm()
 
     def _save_sharded(self, state: TrainingState, metrics: dict[str, float] | None) -> None:
-        """Every rank writes its share of the tensors into the new folder through DCP (trainer.checkpoint.dcp_files),
+        """Every rank writes its share of the tensors into the new folder through DCP (trainer.checkpoint.dcp_writer),
         in parallel; rank 0 then writes the state file (the parts, each tensor replaced by a marker), the items'
         checksums and the manifest (every file's size and checksum), and commits the folder. An asynchronous save
         returns once this rank's tensors are copied to host memory; a synchronous one writes them where they are
         (training waits for it), with no copy."""
-        split = dcp_files.split(state.parts, state.per_rank)
+        split = dcp_writer.split(state.parts, state.per_rank)
         gathered = {name: gather_to_main(state.parts[name], self.runtime) for name in state.per_rank}
         name = checkpoint_name(state.position.step)
         opened: tuple[str | None, str | None] = (None, None)
@@ -255,7 +255,7 @@ class CheckpointManager:
                        copies: list[Snapshot], group: Any) -> None:
         started = time.perf_counter()
         rank = self.runtime.identity.rank
-        written = dcp_files.Written({}, {})
+        written = dcp_writer.Written({}, {})
         failure = None
         failed_before: BaseException | None = None
         try:
@@ -263,8 +263,8 @@ class CheckpointManager:
         except Exception as error:  # noqa: BLE001 - this rank enters the save anyway: it fails there on every rank
             failed_before = error
         try:
-            written = dcp_files.save(tensors, layout, self.storage, temporary, rank, group, failed_before)
-        except dcp_files.RankFailed as failed:  # every rank learns it from DCP: each reports the same line
+            written = dcp_writer.save(tensors, layout, self.storage, temporary, rank, group, failed_before)
+        except dcp_errors.RankFailed as failed:  # every rank learns it from DCP: each reports the same line
             failure = self._shard_failure(failed.rank, failed.error, temporary)
         except Exception as error:  # noqa: BLE001 - reported by rank 0; this thread must reach the gather
             failure = self._shard_failure(rank, error, temporary)
@@ -293,7 +293,7 @@ class CheckpointManager:
             items = {filename: offsets for report in reports for filename, offsets in report[0].items.items()}
             checksums = json.dumps(items, sort_keys=True).encode()
             self._write(name, raw, manifest_extra, started, temporary, files,
-                        {dcp_files.ITEMS: lambda handle: handle.write(checksums)})
+                        {dcp_items.ITEMS: lambda handle: handle.write(checksums)})
         except CheckpointError as problem:
             self._writer_error = str(problem)
         except Exception as problem:  # noqa: BLE001 - reported to every rank by the next save or finish
@@ -304,7 +304,7 @@ class CheckpointManager:
             return (f"rank {rank} could not write its shards into {self.storage.describe(temporary)} "
                     f"({self.storage.reason(error)}); sharded checkpoints need a --checkpoint-dir that every rank "
                     f"reaches (a shared file system or an object store)")
-        said = str(error) if isinstance(error, dcp_files.Relayed) else f"{type(error).__name__}: {error}"
+        said = str(error) if isinstance(error, dcp_errors.Relayed) else f"{type(error).__name__}: {error}"
         return f"rank {rank} could not write its shards: {' '.join(said.split())[:300]}"
 
     def _take(self, state: Any, path: str, deferrable: Callable[[str], bool]) -> tuple[Any, list[Snapshot]]:
