@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import os
 import re
 import time
 import uuid
@@ -62,13 +61,8 @@ def saved_in_place(name: str) -> bool:
     return bool(match and match.group(2))
 
 
-
 class NotAFile(ValueError):
     """A checkpoint's file that is a link, a FIFO or a device: never read (it could block, or lead elsewhere)."""
-
-
-def _no_follow(path: str, flags: int) -> int:
-    return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
 
 
 class CheckpointStorage(ABC):

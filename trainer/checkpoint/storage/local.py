@@ -25,7 +25,6 @@ def _no_follow(path: str, flags: int) -> int:
     return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
 
 
-
 class LocalStorage(CheckpointStorage):
     @classmethod
     def handles(cls, location: str) -> bool:
