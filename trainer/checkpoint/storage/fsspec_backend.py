@@ -9,7 +9,8 @@ import uuid
 from importlib import metadata
 from typing import IO
 
-from trainer.checkpoint.storage.base import MANIFEST, TEMP_PREFIX, CheckpointStorage, NotAFile
+from trainer.checkpoint.storage.base import MANIFEST, CheckpointStorage, NotAFile
+from trainer.checkpoint.storage.names import TEMP_PREFIX
 from trainer.errors import CheckpointError
 from trainer.redact import redact
 
