@@ -3,8 +3,6 @@ deadline on every job, set in one place per kind of job."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from tests.support.k8s_manifests import K8S_DIR, REPO_ROOT, SOURCES, of_kind, render

@@ -13,12 +13,15 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 import zlib
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 
 from bench.figures.sharded import FIXED_MMAP_THRESHOLD
 from devtools.processes import REPO_ROOT, TORCHRUN, clean_env, env_ranks, free_port, run, torchrun
@@ -32,9 +35,12 @@ from tests.support.checkpoint_reading import (
 )
 from tests.support.older_formats import with_whole_item_checksums, write_format_4
 from tests.support.sample_logs import global_order
+from tests.support.tasks import ScaledStack
+from tests.workers.dcp_recipe import restore
 from trainer.checkpoint import open_storage, verify
 from trainer.checkpoint.storage import step_of
 from trainer.errors import EXIT_PREEMPTED
+from trainer.optimizer_state import by_name, parameter_names
 from trainer.sampler import ResumableDistributedSampler
 
 # Every segment trains global batches of 24 (--batch-size 24 / ranks) with --sync-bn, so a run resharded from 2
@@ -272,13 +278,41 @@ def test_a_tasks_init_weights_starts_ddp_and_meta_init_fsdp_runs_from_the_same_w
     assert "--meta-init: model built on the meta device" in result.stderr, result.stderr[-3000:]  # the fsdp run
     for name, expected in trained_models["ddp"].items():
         assert torch.allclose(trained_models["fsdp"][name], expected, rtol=0, atol=1e-6), name
-    # docs/sharded.md's recipe: the fsdp run's checkpoint into a user's own FSDP2 model, with torch alone.
+    # docs/sharded.md's recipe: the fsdp run's checkpoint into a user's own FSDP2 model and optimizer, with torch
+    # alone.
     folder = sorted((tmp_path / "fsdp" / "checkpoints").glob("step-*"))[-1]
     recipe = torchrun([str(folder), "8", "3"], nproc=2, module="tests.workers.dcp_recipe")
     assert recipe.returncode == 0, recipe.stderr[-3000:]
-    sums = [json.loads(line)["sums"] for line in recipe.stdout.splitlines() if line.startswith("{")]
+    [printed] = [json.loads(line) for line in recipe.stdout.splitlines() if line.startswith("{")]
     expected = {name: float(value.double().sum()) for name, value in trained_models["fsdp"].items()}
-    assert len(sums) == 1 and sums[0] == pytest.approx(expected, rel=0, abs=1e-9), (sums, expected)
+    assert printed["sums"] == pytest.approx(expected, rel=0, abs=1e-9), (printed, expected)
+    saved_groups = newest_checkpoint(tmp_path / "fsdp" / "checkpoints")[2]["optimizer"]["param_groups"]
+    assert printed["lr"] == saved_groups[0]["lr"] != 1.0, printed
+
+
+def test_docs_recipe_restores_a_model_and_its_adamw_state_with_torch_alone_in_a_process_without_a_group(tmp_path):
+    """docs/sharded.md's recipe (tests.workers.dcp_recipe.restore) where there is no process group: a 2-rank
+    --sync fsdp run's checkpoint after three AdamW steps, into a fresh model and optimizer of the user's. The
+    parameters and AdamW's moments and step counts are bitwise the checkpoint's as the trainer's own reader puts
+    them together from both ranks' rows, and the parameter groups are the checkpoint's (the scheduled learning
+    rate, the run's settings), read by the trainer's own naming of the optimizer's state."""
+    result = torchrun(["--task", "tests.support.tasks:InitWeightsTask", "--blocks", "2", "--width", "8",
+                       "--sync", "fsdp", "--optimizer", "adamw", "--batch-size", "4", "--max-steps", "3",
+                       "--epochs", "1", "--progress", "off", "--no-tensorboard", "--output-dir", str(tmp_path)],
+                      nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    name, manifest, saved = newest_checkpoint(tmp_path / "checkpoints")
+    assert manifest["format"] == 5 and manifest["step"] == 3, manifest
+    model = nn.Sequential(*(ScaledStack(8) for _ in range(2)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1.0)
+    assert not dist.is_initialized()
+    with warnings.catch_warnings():  # DCP's note that it assumes one process: the recipe's own case here
+        warnings.simplefilter("ignore", UserWarning)
+        restore(str(tmp_path / "checkpoints" / name), model, optimizer)
+    assert_same_tensors(dict(model.state_dict()), saved["model"])
+    restored = by_name(optimizer.state_dict(), parameter_names(model, optimizer))
+    assert_same_tensors(restored, saved["optimizer"])
+    assert {key for entry in restored["state"].values() for key in entry} == {"step", "exp_avg", "exp_avg_sq"}
 
 
 def test_hsdp_shards_within_each_node_and_replicates_across_two(uninterrupted, tmp_path):

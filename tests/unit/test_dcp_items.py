@@ -13,8 +13,8 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-from trainer.checkpoint.dcp_files import _serialised
 from trainer.checkpoint.dcp_items import BLOCK, ItemLayout, describe, read_tensor_bytes
+from trainer.checkpoint.dcp_writer import _serialised
 from trainer.checkpoint.reading import InvalidCheckpoint
 from trainer.checkpoint.storage import open_storage
 
@@ -86,12 +86,12 @@ def test_an_item_of_bytes_or_an_entry_of_another_shape_is_told_apart():
 
 def saved_and_read(tmp_path: Path, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Any]:
     """Saved through DCP by this process alone, then read back whole through the reader DCP calls."""
-    from trainer.checkpoint import dcp_files
+    from trainer.checkpoint import dcp_metadata, dcp_reader, dcp_writer
 
     storage = open_storage(str(tmp_path))
     folder = storage.begin("step-00000001")
-    written = dcp_files.save(tensors, {}, storage, folder, 0, None)
-    reader = dcp_files._Reader(storage, folder, dcp_files.folder_metadata(storage, folder, None), written.items)
+    written = dcp_writer.save(tensors, {}, storage, folder, 0, None)
+    reader = dcp_reader._Reader(storage, folder, dcp_metadata.folder_metadata(storage, folder, None), written.items)
     reader.set_up_storage_reader(reader.metadata, True)
     read = {}
     for index, info in reader.storage_data.items():
@@ -125,13 +125,13 @@ def test_what_only_a_tensors_pickle_says_is_in_its_bytes_or_it_is_read_whole_as_
 def test_a_reshards_read_takes_the_blocks_of_its_rows_from_a_chunk_dcp_saved(tmp_path):
     """Through the reader DCP calls: a rank that wants rows 1000-1499 of a saved 3000-row chunk (a reshard) reads
     about their bytes, not the chunk's."""
-    from trainer.checkpoint import dcp_files
+    from trainer.checkpoint import dcp_metadata, dcp_reader, dcp_writer
 
     storage = open_storage(str(tmp_path))
     folder = storage.begin("step-00000001")
     tensor = torch.randn(ROWS, COLUMNS)
-    written = dcp_files.save({"model.weight": tensor}, {}, storage, folder, 0, None)
-    reader = dcp_files._Reader(storage, folder, dcp_files.folder_metadata(storage, folder, None), written.items)
+    written = dcp_writer.save({"model.weight": tensor}, {}, storage, folder, 0, None)
+    reader = dcp_reader._Reader(storage, folder, dcp_metadata.folder_metadata(storage, folder, None), written.items)
     reader.set_up_storage_reader(reader.metadata, True)
     index = MetadataIndex("model.weight", torch.Size([0, 0]))
     wanted = ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex("model.weight", torch.Size([1000, 0])),
@@ -150,14 +150,14 @@ def test_a_whole_chunk_is_read_straight_into_the_tensor_it_loads_into_and_still_
     request and copied in. Head, blocks and tail checked either way."""
     import uuid
 
-    from trainer.checkpoint import dcp_files
+    from trainer.checkpoint import dcp_metadata, dcp_reader, dcp_writer
 
     location = str(tmp_path) if where == "local" else f"memory://items-{uuid.uuid4().hex}"
     storage = open_storage(location)
     folder = storage.begin("step-00000001")
     tensor = torch.randn(ROWS, COLUMNS)
-    written = dcp_files.save({"model.weight": tensor}, {}, storage, folder, 0, None)
-    reader = dcp_files._Reader(storage, folder, dcp_files.folder_metadata(storage, folder, None), written.items)
+    written = dcp_writer.save({"model.weight": tensor}, {}, storage, folder, 0, None)
+    reader = dcp_reader._Reader(storage, folder, dcp_metadata.folder_metadata(storage, folder, None), written.items)
     reader.set_up_storage_reader(reader.metadata, True)
     [(index, info)] = reader.storage_data.items()
     whole = ReadItem(type=LoadItemType.TENSOR, dest_index=index, dest_offsets=torch.Size([0, 0]), storage_index=index,

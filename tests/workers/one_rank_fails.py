@@ -15,20 +15,20 @@ import sys
 from typing import Any
 
 import trainer
-from trainer.checkpoint import dcp_files, manager
+from trainer.checkpoint import dcp_metadata, manager
 from trainer.checkpoint.reading import InvalidCheckpoint
 
 
 def _inject(fault: str) -> None:
     if fault == "load-metadata":
-        real_read = dcp_files.checked_read
+        real_read = dcp_metadata.checked_read
 
         def checked_read(storage: Any, name: str, filename: str, manifest: Any) -> bytes:
             if filename == ".metadata":
                 raise InvalidCheckpoint(".metadata unreadable (Input/output error)")
             return real_read(storage, name, filename, manifest)
 
-        dcp_files.checked_read = checked_read  # type: ignore[assignment]
+        dcp_metadata.checked_read = checked_read  # type: ignore[assignment]
     elif fault == "save-before":
         def on_writer_thread(self: Any, copies: Any) -> None:
             raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")

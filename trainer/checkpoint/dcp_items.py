@@ -7,7 +7,7 @@ of its head, of every ``BLOCK`` bytes of the tensor's bytes and of its tail, and
 that needs only some rows of a saved chunk (a reshard) reads and checks just the blocks that hold them; a rank
 that needs the whole chunk reads and checks the whole item. Either way the tensor is copied out of the bytes read,
 with no unpickled copy in between. An item whose entry is one CRC-32 (written before) is read whole and loaded
-with ``torch.load`` as it was then (trainer.checkpoint.dcp_files).
+with ``torch.load`` as it was then (trainer.checkpoint.dcp_reader).
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ import torch
 from trainer.checkpoint.reading import InvalidCheckpoint
 from trainer.checkpoint.storage import CheckpointStorage, crc32_hex
 
-__all__ = ["BLOCK", "ItemLayout", "describe", "plain_dtype", "read_errors", "read_tensor_bytes", "read_whole_into"]
+__all__ = ["BLOCK", "ITEMS", "ItemLayout", "describe", "plain_dtype", "read_errors", "read_tensor_bytes",
+           "read_whole_into"]
 
+ITEMS = "items.json"  # every item's checksums, by data file and offset
 # What a reshard may read beyond the rows it needs: up to a block before them and one after, per item.
 BLOCK = 1 << 20
 _STORAGE_ENTRY = re.compile(r"(^|/)data/\d+$")  # where torch.save puts a storage's bytes in its zip

@@ -1,6 +1,6 @@
 """``--init-from PATH``: a fresh run starts from the model weights of a torch.distributed.checkpoint folder,
 written by this trainer or another tool (TorchTitan keeps the model's tensors at the top level, by name; this
-trainer under ``model.``), read through the same restricted reader as a resume (trainer.checkpoint.dcp_files):
+trainer under ``model.``), read through the same restricted reader as a resume (trainer.checkpoint.dcp_reader):
 its ``.metadata`` admits DCP's own types only, and each rank reads only the chunks its shards need.
 
 The weights only: the optimizer, the schedule and the position start afresh. A checkpoint that lacks a tensor
@@ -15,7 +15,8 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from trainer.checkpoint.dcp_files import DcpSource, folder_metadata
+from trainer.checkpoint.dcp_metadata import folder_metadata
+from trainer.checkpoint.dcp_reader import DcpSource
 from trainer.checkpoint.reading import DCP_METADATA, InvalidCheckpoint, UnknownFormat, agree, read_manifest
 from trainer.checkpoint.shards import fit, marker_for
 from trainer.checkpoint.storage import MANIFEST, open_storage

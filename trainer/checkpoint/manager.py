@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.serialization import config as serialization_config
 
-from trainer.checkpoint import dcp_files, shards
+from trainer.checkpoint import dcp_errors, dcp_items, dcp_writer, shards
 from trainer.checkpoint.lease import CheckpointLease
 from trainer.checkpoint.reading import MAX_MANIFEST_BYTES, STATE_FILE, InvalidCheckpoint, UnknownFormat
 from trainer.checkpoint.save_failures import SaveFailure, is_transient, is_transient_type_name
@@ -234,12 +234,12 @@ class CheckpointManager:
             self._settle(failure)
 
     def _save_sharded(self, state: TrainingState, metrics: dict[str, float] | None) -> None:
-        """Every rank writes its share of the tensors into the new folder through DCP (trainer.checkpoint.dcp_files),
+        """Every rank writes its share of the tensors into the new folder through DCP (trainer.checkpoint.dcp_writer),
         in parallel; rank 0 then writes the state file (the parts, each tensor replaced by a marker), the items'
         checksums and the manifest (every file's size and checksum), and commits the folder. An asynchronous save
         returns once this rank's tensors are copied to host memory; a synchronous one writes them where they are
         (training waits for it), with no copy."""
-        split = dcp_files.split(state.parts, state.per_rank)
+        split = dcp_writer.split(state.parts, state.per_rank)
         gathered = {name: gather_to_main(state.parts[name], self.runtime) for name in state.per_rank}
         name = checkpoint_name(state.position.step)
         opened: tuple[str | None, SaveFailure | None] = (None, None)
@@ -282,7 +282,7 @@ class CheckpointManager:
                        copies: list[Snapshot], group: Any) -> None:
         started = time.perf_counter()
         rank = self.runtime.identity.rank
-        written = dcp_files.Written({}, {})
+        written = dcp_writer.Written({}, {})
         failure = None
         failed_before: BaseException | None = None
         try:
@@ -290,12 +290,12 @@ class CheckpointManager:
         except Exception as error:  # noqa: BLE001 - this rank enters the save anyway: it fails there on every rank
             failed_before = error
         try:
-            written = dcp_files.save(tensors, layout, self.storage, temporary, rank, group, failed_before)
-        except dcp_files.RankFailed as failed:  # every rank learns it from DCP: each reports the same line
+            written = dcp_writer.save(tensors, layout, self.storage, temporary, rank, group, failed_before)
+        except dcp_errors.RankFailed as failed:  # every rank learns it from DCP: each reports the same line
             failure = self._shard_failure(failed.rank, failed.error, temporary)
         except Exception as error:  # noqa: BLE001 - reported by rank 0; this thread must reach the gather
             failure = self._shard_failure(rank, error, temporary)
-        reports: list[tuple[dcp_files.Written, SaveFailure | None]] = [(written, failure)]
+        reports: list[tuple[dcp_writer.Written, SaveFailure | None]] = [(written, failure)]
         try:
             if group is not None:
                 everyone: list[Any] | None = ([None] * self.runtime.identity.world_size if self.runtime.is_main
@@ -323,7 +323,7 @@ class CheckpointManager:
             items = {filename: offsets for report in reports for filename, offsets in report[0].items.items()}
             checksums = json.dumps(items, sort_keys=True).encode()
             self._write(name, raw, manifest_extra, started, temporary, files,
-                        {dcp_files.ITEMS: lambda handle: handle.write(checksums)})
+                        {dcp_items.ITEMS: lambda handle: handle.write(checksums)})
         except Exception as problem:  # noqa: BLE001 - reported to every rank by the next save or finish
             self._writer_error = self._failure_of(problem, name)
 
@@ -335,7 +335,7 @@ class CheckpointManager:
                 return SaveFailure(said, transient=True)
             return SaveFailure(f"{said}; sharded checkpoints need a --checkpoint-dir that every rank reaches (a "
                                f"shared file system or an object store)", transient=False)
-        if isinstance(error, dcp_files.Relayed):  # another rank's, known by its type's name and words
+        if isinstance(error, dcp_errors.Relayed):  # another rank's, known by its type's name and words
             said, transient = str(error), is_transient_type_name(str(error).split(":", 1)[0])
         else:
             said, transient = f"{type(error).__name__}: {error}", is_transient(error)

@@ -9,7 +9,7 @@ and an ``upgrade`` from what older checkpoints hold whenever a part's layout cha
 Kinds: a ``REPLICATED`` part is the same on every rank and rank 0's is written; a ``PER_RANK`` part (the
 random generators) is captured on every rank and saved as a list in rank order. A replicated part may hold
 sharded tensors (DTensors, under --sync fsdp/hsdp): every rank's rows of them are written by DCP
-(trainer.checkpoint.dcp_files), and a part's ``template`` says what this run holds in its place, so that the
+(trainer.checkpoint.dcp_writer), and a part's ``template`` says what this run holds in its place, so that the
 restore is given its tensors as this run holds them (trainer.checkpoint.shards.fit), whatever wrote them.
 """
 

@@ -29,7 +29,7 @@ PERMANENT_CODES = frozenset({"AccessDenied", "AllAccessDisabled", "InvalidAccess
 PERMANENT_TYPE_NAMES = frozenset({"NoCredentialsError", "PartialCredentialsError", "NoRegionError",
                                   "ParamValidationError", "ProfileNotFound", "InvalidRegionError",
                                   "UnknownServiceError", "InvalidConfigError"})
-# The type names an error relayed from another rank may carry (trainer.checkpoint.dcp_files.Relayed holds the
+# The type names an error relayed from another rank may carry (trainer.checkpoint.dcp_errors.Relayed holds the
 # type's name and words only): those of the client errors above a retry may fix.
 TRANSIENT_TYPE_NAMES = frozenset({"ClientError", "ConnectionError", "EndpointConnectionError", "ConnectTimeoutError",
                                   "ReadTimeoutError", "ConnectionClosedError", "ResponseStreamingError",

@@ -14,7 +14,7 @@ Format history (the manifest's "format"; each part's layout has its own version,
      Unsharded checkpoints are still written in format 3. Read, no longer written
   5  format 3 with its tensors in torch.distributed.checkpoint's files (--sync fsdp/hsdp): every tensor of the
      replicated parts replaced by a marker naming its DCP key, the files DCP's own (``__R_0.distcp``,
-     ``.metadata``) and ``items.json`` (every item's CRC-32) beside them (trainer.checkpoint.dcp_files); the
+     ``.metadata``) and ``items.json`` (every item's CRC-32) beside them (trainer.checkpoint.dcp_writer); the
      optimizer part keyed by parameter name (its version 2)
 Older formats are migrated when read; a format this trainer does not know is refused, never skipped.
 """

@@ -2,7 +2,7 @@
 this run holds.
 
 A sharded checkpoint's state file holds, in place of each tensor, a marker ``{"__shard__": key, "shape",
-"dtype"}``; the tensors lie elsewhere: in format 5, DCP's files (trainer.checkpoint.dcp_files, the key a DCP key);
+"dtype"}``; the tensors lie elsewhere: in format 5, DCP's files (trainer.checkpoint.dcp_reader, the key a DCP key);
 in format 4, the last release's, each rank's rows in its own ``shards-RRRRR.pt`` with a ``shards`` table saying
 which file holds which rows (``ShardSource`` here reads them; format 4 is read, no longer written).
 
@@ -108,7 +108,7 @@ def fit(saved: Any, template: Any, source: Any) -> Any:
     """``saved`` made to match ``template`` (what this run holds at that place): a marker becomes this rank's
     rows of it (a DTensor template) or the whole tensor (a plain one); a whole tensor saved by a plain run
     becomes this rank's rows where this run shards it. ``source``: where the markers' tensors lie (ShardSource
-    here, dcp_files.DcpSource, state_file.StateFileSource: ``rows`` and ``whole``), None where there are none."""
+    here, dcp_reader.DcpSource, state_file.StateFileSource: ``rows`` and ``whole``), None where there are none."""
     if is_marker(saved):
         if source is None:
             raise ValueError(f"{saved[MARK]} is sharded but the checkpoint has no shard files")
@@ -131,7 +131,7 @@ def fit(saved: Any, template: Any, source: Any) -> Any:
 
 
 def fit_all(saved: Any, template: Any, source: Any) -> Any:
-    """``fit`` for one value alone: its source first reads what it holds (trainer.checkpoint.dcp_files reads every
+    """``fit`` for one value alone: its source first reads what it holds (trainer.checkpoint.dcp_reader reads every
     tensor in one collective pass)."""
     if source is not None:
         source.prepare(markers(saved, template))

@@ -1,6 +1,6 @@
 """Finding out whether a checkpoint folder can be resumed from, before anything is restored: its manifest, its
 state file, and that every other file it lists is there with its size. The tensors of a sharded checkpoint are
-checked by the rank that reads them, as it reads them (trainer.checkpoint.dcp_files): no rank reads the whole
+checked by the rank that reads them, as it reads them (trainer.checkpoint.dcp_reader): no rank reads the whole
 checkpoint to check it."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
-from trainer.checkpoint import dcp_files, shards
+from trainer.checkpoint import shards
+from trainer.checkpoint.dcp_reader import DcpSource
 from trainer.checkpoint.reading import STATE_FILE, InvalidCheckpoint, check_size, checked_read, read_manifest
 from trainer.checkpoint.schema import DCP_FORMAT, TrainingState
 from trainer.checkpoint.state_file import StateFileSource, load_state_file, without_tensors
@@ -40,14 +41,14 @@ class LoadedCheckpoint:
         return replace(self, state=light, tensors_in_state_file=True, resume=uuid.uuid4().hex)
 
     def shard_source(self, group: Any = None, allocate: Any = None
-                     ) -> shards.ShardSource | dcp_files.DcpSource | StateFileSource | None:
+                     ) -> shards.ShardSource | DcpSource | StateFileSource | None:
         """Where the checkpoint's tensors are read from, each read checked: format 5's DCP files (a collective read
         over ``group``, every rank at once, each range checked by its reader), format 4's shard files, and the
         state file when the state was sent without its tensors (for_every_rank). ``allocate(shape, dtype)``: where
         DCP reads a whole tensor into (default: memory)."""
         storage, name = open_storage(self.folder[0]), self.folder[1]
         if self.manifest.get("format") == DCP_FORMAT:
-            return dcp_files.DcpSource(storage, name, self.manifest, group, allocate)
+            return DcpSource(storage, name, self.manifest, group, allocate)
         if self.tensors_in_state_file:
             return StateFileSource(storage, name, self.manifest, int(self.manifest["format"]), group, self.resume)
         if self.state.shards is None:

@@ -12,13 +12,11 @@ from trainer.checkpoint.storage.base import (
     FileWriter,
     ManifestMaker,
     NotAFile,
-    checkpoint_name,
-    saved_in_place,
-    step_of,
 )
 from trainer.checkpoint.storage.checksum import ChecksumWriter, crc32_hex
 from trainer.checkpoint.storage.fsspec_backend import EXCLUSIVE_CREATE_SINCE, FsspecStorage
 from trainer.checkpoint.storage.local import LocalStorage
+from trainer.checkpoint.storage.names import checkpoint_name, saved_in_place, step_of
 
 __all__ = ["BACKENDS", "EXCLUSIVE_CREATE_SINCE", "MANIFEST", "CheckpointStorage", "ChecksumWriter", "FileWriter",
            "FsspecStorage", "LocalStorage", "ManifestMaker", "NotAFile", "checkpoint_name", "crc32_hex",

@@ -8,32 +8,30 @@ without a valid manifest.
 
 Where a folder cannot be renamed at once (an object store moves it object by object), each save writes a
 folder of its own, ``step-00000123.<save>``, and its manifest, written last, is the commit: no two saves ever
-share an object name, so one save can neither write into nor remove another's (``commits_in_place``).
+share an object name, so one save can neither write into nor remove another's (``commits_in_place``). The
+names are trainer.checkpoint.storage.names's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import os
-import re
-import time
-import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import IO, Any
 
 from trainer.checkpoint.save_failures import is_transient
 from trainer.checkpoint.storage.checksum import ChecksumWriter
+from trainer.checkpoint.storage.names import (
+    TEMP_PREFIX,
+    in_place_name,
+    newest_first,
+    set_aside_from,
+    step_of,
+    temporary_name,
+)
 from trainer.errors import CheckpointError, StorageUnavailable
 
-# ``step-<step>``, or ``step-<step>.<save>`` for a save committed in place: <save> is 32 hex digits, the saving
-# job's lease generation (8), which only grows from one holder of the folder to the next, then the save's start in
-# nanoseconds since the epoch (16; another host's clock may differ, hence the generation first) and 8 random ones:
-# of two saves of a step, the one of the folder's newer holder, then the later one, sorts first.
-CHECKPOINT_NAME = re.compile(r"\Astep-(\d{8,})(?:\.([0-9a-f]{32}))?\Z")
-TEMP_PREFIX = ".tmp-"
-REPLACED_PREFIX = f"{TEMP_PREFIX}replaced-"
 MANIFEST = "manifest.json"
 
 
@@ -41,35 +39,8 @@ FileWriter = Callable[[IO[bytes]], None]  # writes one file's content into an op
 ManifestMaker = Callable[[dict[str, dict[str, Any]]], bytes]  # {filename: {"bytes", "crc32"}} -> manifest
 
 
-def checkpoint_name(step: int) -> str:
-    return f"step-{step:08d}"
-
-
-def step_of(name: str) -> int | None:
-    match = CHECKPOINT_NAME.match(name)
-    return int(match.group(1)) if match else None
-
-
-def newest_first(name: str) -> tuple[int, str]:
-    """The sort key of checkpoint names, for ``reverse=True``: by step, then (a step saved twice in place) by the
-    saving job's lease generation and the save's start."""
-    match = CHECKPOINT_NAME.match(name)
-    return (int(match.group(1)), match.group(2) or "") if match else (-1, "")
-
-
-def saved_in_place(name: str) -> bool:
-    """Whether ``name`` is a folder of its own for one save (``step-N.<save>``), committed by its manifest alone."""
-    match = CHECKPOINT_NAME.match(name)
-    return bool(match and match.group(2))
-
-
-
 class NotAFile(ValueError):
     """A checkpoint's file that is a link, a FIFO or a device: never read (it could block, or lead elsewhere)."""
-
-
-def _no_follow(path: str, flags: int) -> int:
-    return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
 
 
 class CheckpointStorage(ABC):
@@ -109,9 +80,8 @@ class CheckpointStorage(ABC):
     def begin(self, name: str, generation: int = 0) -> str:
         """A new folder for checkpoint ``name``, which several processes may write files into (``write_file``)
         before one of them commits it: a temporary one, or under ``commits_in_place`` the save's own, named after
-        the saving job's lease ``generation`` (see CHECKPOINT_NAME)."""
-        temporary = (f"{name}.{generation:08x}{time.time_ns():016x}{uuid.uuid4().hex[:8]}" if self.commits_in_place
-                     else f"{TEMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}")
+        the saving job's lease ``generation`` (trainer.checkpoint.storage.names)."""
+        temporary = in_place_name(name, generation) if self.commits_in_place else temporary_name(name)
         try:
             self._make_folder(temporary)
         except OSError as error:
@@ -173,7 +143,7 @@ class CheckpointStorage(ABC):
         present = set(self._list())
         stale = sorted(name for name in present if name.startswith(TEMP_PREFIX))
         for name in stale:
-            original = _replaced_name(name)
+            original = set_aside_from(name)
             if original is not None and (original not in present or not self.exists(original, MANIFEST)):
                 self._put_back(name, original)
                 present.add(original)
@@ -273,14 +243,6 @@ def remaining(buffers: list[memoryview], done: int) -> list[memoryview]:
         left.append(buffer[done:])
         done = 0
     return left
-
-
-def _replaced_name(name: str) -> str | None:
-    """``step-N`` for a ``.tmp-replaced-step-N-<id>`` folder, else None."""
-    if not name.startswith(REPLACED_PREFIX):
-        return None
-    original = name.removeprefix(REPLACED_PREFIX).rsplit("-", 1)[0]
-    return original if step_of(original) is not None else None
 
 
 def _remedy(error: OSError, location: str) -> str:

@@ -10,7 +10,8 @@ from importlib import metadata
 from typing import IO
 
 from trainer.checkpoint.save_failures import is_transient
-from trainer.checkpoint.storage.base import MANIFEST, TEMP_PREFIX, CheckpointStorage, NotAFile
+from trainer.checkpoint.storage.base import MANIFEST, CheckpointStorage, NotAFile
+from trainer.checkpoint.storage.names import TEMP_PREFIX
 from trainer.errors import CheckpointError, StorageUnavailable
 from trainer.object_store_client import bounded_options, without_own_retries
 from trainer.redact import redact

@@ -11,19 +11,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from trainer.checkpoint.storage.base import (
-    REPLACED_PREFIX,
-    TEMP_PREFIX,
-    CheckpointStorage,
-    NotAFile,
-    remaining,
-)
+from trainer.checkpoint.storage.base import CheckpointStorage, NotAFile, remaining
+from trainer.checkpoint.storage.names import TEMP_PREFIX, set_aside
 from trainer.errors import CheckpointError
 
 
 def _no_follow(path: str, flags: int) -> int:
     return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
-
 
 
 class LocalStorage(CheckpointStorage):
@@ -57,7 +51,7 @@ class LocalStorage(CheckpointStorage):
             # A checkpoint of the same step is there (a broken one, or one from before a --resume PATH
             # to an older step). rename() cannot replace a non-empty folder, so it is moved aside
             # first; remove_temporaries() puts it back if a crash comes before the new one is in place.
-            aside = f"{REPLACED_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
+            aside = set_aside(name)
             os.rename(final, self.root / aside)
             os.rename(self.root / temporary, final)
             fsync_dir(self.root)

@@ -1,4 +1,4 @@
-"""DCP's .metadata read restricted (trainer.checkpoint.dcp_files.read_metadata): none but DCP's types, no attribute
+"""DCP's .metadata read restricted (trainer.checkpoint.dcp_metadata.read_metadata): none but DCP's types, no attribute
 set on anything but DCP's own records, and a layout whose chunks cover each tensor exactly once, each in a file."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, ChunkStorageMetadata, Metadata
 
-from trainer.checkpoint.dcp_files import read_metadata
+from trainer.checkpoint.dcp_metadata import read_metadata
 from trainer.checkpoint.reading import DCP_METADATA, InvalidCheckpoint
 
 
