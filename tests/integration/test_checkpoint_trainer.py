@@ -21,8 +21,8 @@ from tests.support.checkpoint_damage import break_checkpoint, checkpoint_bytes
 from tests.support.checkpoint_reading import assert_same_tensors, every_file_under, newest_checkpoint, summary
 from tests.support.mounts import mount_tmpfs
 from trainer.checkpoint import TrainingState, open_storage, verify
-from trainer.checkpoint.manager import save_state
 from trainer.checkpoint.storage import step_of
+from trainer.checkpoint.writer import save_state
 from trainer.errors import EXIT_USAGE
 from trainer.main import main
 from trainer.models import build_model

@@ -567,8 +567,8 @@ def test_a_write_to_a_store_that_stops_answering_ends_within_the_deadline_as_ret
     storage = open_storage(location)  # the given-up write may be uploading into its own folder again by now
     assert [step_of(name) for name in names(location) if storage.exists(name, "manifest.json")] == [1]
     # The server answers again and the given-up write goes on: it must neither commit nor leave a folder behind.
-    manager._writer.join(60)
-    assert not manager._writer.is_alive()
+    manager.writer.thread.join(60)
+    assert not manager.writer.thread.is_alive()
     assert steps(location) == [1] and open_storage(location).remove_temporaries() == []
 
 
@@ -602,17 +602,17 @@ def test_the_checkpoint_sent_to_trackers_is_this_runs_last_and_its_lookup_never_
 def save_held_midway(manager: CheckpointManager, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """An asynchronous save of step 1 whose writer stops inside its state file (a hung disk, a partitioned node)
     until the returned event is set; returns once the writer is there."""
-    from trainer.checkpoint import manager as manager_module
+    from trainer.checkpoint import writer as writer_module
 
     writing, go_on = threading.Event(), threading.Event()
-    save_state = manager_module.save_state
+    save_state = writer_module.save_state
 
     def held(state: dict, handle: object) -> None:
         writing.set()
         go_on.wait(30)
         save_state(state, handle)
 
-    monkeypatch.setattr(manager_module, "save_state", held)
+    monkeypatch.setattr(writer_module, "save_state", held)
     manager.save(state_at(1))
     assert writing.wait(30)
     return go_on
@@ -666,7 +666,7 @@ def test_closing_with_an_async_write_still_running_waits_only_until_its_deadline
     manager.close()  # no finish(): the end of a run whose last save is still being written
     assert time.monotonic() - started < 1 + RELEASE_AFTER_STALL_S + 2
     go_on.set()  # the storage answers again
-    manager._writer.join(30)
+    manager.writer.thread.join(30)
     assert names(str(tmp_path)) == [] and open_storage(str(tmp_path)).remove_temporaries() == []
 
 

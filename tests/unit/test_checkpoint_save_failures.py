@@ -15,7 +15,7 @@ import pytest
 
 from tests.support.checkpoint_reading import state_at
 from trainer.checkpoint import CheckpointManager, Monitor, open_storage
-from trainer.checkpoint import manager as manager_module
+from trainer.checkpoint import lease as lease_module
 from trainer.checkpoint.manager import SaveRetry
 from trainer.checkpoint.save_failures import is_transient
 from trainer.checkpoint.storage import step_of
@@ -130,7 +130,7 @@ def test_a_lease_the_storage_does_not_return_is_read_again_not_taken_for_lost(ma
                                                                              caplog):
     location = str(tmp_path / "ckpt")
     manager = manager_for(location, max_failed_saves=2)
-    monkeypatch.setattr(manager_module, "LEASE_READ_RETRIES_S", (0.0, 0.0, 0.0))
+    monkeypatch.setattr(lease_module, "READ_RETRIES_S", (0.0, 0.0, 0.0))
     assert manager.lease is not None
     check = manager.lease.check
     failures = {"left": 2}

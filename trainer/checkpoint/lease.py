@@ -36,13 +36,23 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from trainer.checkpoint.storage import CheckpointStorage, NotAFile
-from trainer.errors import CheckpointError
+from trainer.errors import CheckpointError, StorageUnavailable, described
 from trainer.launchers.base import kernel_boot_id
+from trainer.redact import redact
 
 RENEWER_JOIN_S = 5.0
 LEASE_FOLDER = ".lease"
 HOLDER_FILE = re.compile(r"^holder-(\d{8,})\.json$")
 TAKE_ATTEMPTS = 5
+
+
+# An unreadable lease (the storage did not answer) is read again after these pauses before a save gives up.
+READ_RETRIES_S = (1.0, 2.0, 4.0)
+
+
+class LeaseUnreadable(StorageUnavailable):
+    """The lease could not be read (the storage did not answer): nothing commits on it, and nothing is pruned. A
+    retry may read it: the save fails, as on any storage error, but the folder is not taken for lost."""
 
 
 def holder_file(generation: int) -> str:
@@ -267,6 +277,24 @@ class CheckpointLease:
                    f"its lease {quiet:.0f}s ago")
         return (f"checkpoint folder {self.storage.describe()} {how}; this job stops without writing there. Restart "
                 f"it with another --checkpoint-dir, or once the other job is done")
+
+    def confirm(self) -> None:
+        """``check``, read again after READ_RETRIES_S where the storage does not answer: a hiccup is not a lost
+        lease. CheckpointError if another job took the folder; LeaseUnreadable once every read failed."""
+        pauses = READ_RETRIES_S
+        for pause in (*pauses, None):
+            try:
+                self.check()
+                return
+            except CheckpointError:
+                raise
+            except Exception as error:  # noqa: BLE001 - any backend's error: not confirmed, nothing commits on it
+                if pause is None:
+                    raise LeaseUnreadable(
+                        f"could not read the lease of checkpoint folder {self.storage.describe()} "
+                        f"({redact(described(error), self.storage.location)}, {len(pauses) + 1} tries), so this "
+                        f"save cannot tell that the folder is still this job's") from None
+                self.sleep(pause)
 
     def renew(self) -> None:
         self.check()
