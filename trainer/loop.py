@@ -240,7 +240,11 @@ class Trainer:
                 if self.watcher.should_stop():
                     self._stop_for_preemption()
                 every = config.checkpoint.checkpoint_every
-                if self.timed_saves.due() or (every and self.position.step % every == 0):
+                # Not at the run's last step: the final save follows there (after the evaluation), and a periodic
+                # one failing first could end the run (--max-failed-saves) before the final one is even tried.
+                last = self._reached_max_steps() or (epoch + 1 >= config.train.epochs and index + 1 >= batches)
+                due = self.timed_saves.due()  # a collective: called at every step, on every rank
+                if not last and (due or (every and self.position.step % every == 0)):
                     self.save_checkpoint()
                 if self._reached_max_steps():
                     break

@@ -7,15 +7,18 @@ those of the same run without faults."""
 
 from __future__ import annotations
 
+import errno
 import re
 import time
+import uuid
 
 from devtools.processes import env_ranks
 from devtools.s3_faults import matching
 from tests.support.checkpoint_reading import assert_same_tensors, whole
+from trainer.api import run
 from trainer.checkpoint import open_storage, verify
-from trainer.checkpoint.storage import step_of
-from trainer.errors import EXIT_PEER_LOST
+from trainer.checkpoint.storage import FsspecStorage, step_of
+from trainer.errors import EXIT_PEER_LOST, EXIT_USAGE
 
 # 2 ranks x 8 samples a step: 6 steps; a save at every step, the lease renewed every second.
 ARGS = ["--dataset", "synthetic", "--synthetic-train-size", "96", "--synthetic-test-size", "16", "--batch-size", "8",
@@ -92,3 +95,31 @@ def test_saves_and_a_resume_through_a_failing_store_lose_nothing_and_train_as_wi
     assert [rank.returncode for rank in again] == [0, 0], again[0].stderr[-3000:]
     assert "all 1 epochs are done" in again[0].stderr, again[0].stderr[-3000:]
     assert_same_tensors(final_model(location), final_model(reference))
+
+
+def test_a_sharded_resume_whose_reads_the_store_throttles_ends_to_be_retried_and_one_it_refuses_to_be_fixed(
+        tmp_path, monkeypatch, capfd):
+    """DCP's own reads (each rank's .distcp ranges, through trainer.checkpoint.dcp_reader): throttled, the resume
+    stops with exit 200 (never "use an older checkpoint or --resume none", which would throw progress away);
+    refused for good (no permission), exit 2. One process, --sync fsdp, in this process."""
+    location = f"memory://faults-{uuid.uuid4().hex[:8]}/ckpt"
+    args = ["--dataset", "synthetic", "--synthetic-train-size", "32", "--synthetic-test-size", "8", "--batch-size",
+            "8", "--epochs", "1", "--progress", "off", "--no-tensorboard", "--checkpoint-dir", location, "--sync",
+            "fsdp", "--job-id", "sharded-faults"]
+    assert run(argv=[*args, "--output-dir", str(tmp_path / "first"), "--max-steps", "2"]) == 0
+    read_range = FsspecStorage.read_range
+    for error, code in ((OSError(errno.EBUSY, "Please reduce your request rate."), EXIT_PEER_LOST),
+                        (PermissionError(errno.EACCES, "Permission denied"), EXIT_USAGE)):
+        def failing(self, name, filename, *rest, error=error):  # noqa: ANN001, ANN202 - the backend's signature
+            if filename.endswith(".distcp"):
+                raise error
+            return read_range(self, name, filename, *rest)
+
+        monkeypatch.setattr(FsspecStorage, "read_range", failing)
+        capfd.readouterr()
+        assert run(argv=[*args, "--output-dir", str(tmp_path / "resume"), "--max-steps", "4"]) == code
+        [line] = [line for line in capfd.readouterr().err.splitlines() if "error:" in line]
+        assert f"__0_0.distcp unreadable ({error.strerror})" in line, line
+        assert ("--resume none" in line) is (code == EXIT_USAGE), line
+    monkeypatch.undo()
+    assert run(argv=[*args, "--output-dir", str(tmp_path / "resume"), "--max-steps", "4"]) == 0

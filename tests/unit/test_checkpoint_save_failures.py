@@ -165,6 +165,14 @@ def test_a_lease_the_storage_does_not_return_is_read_again_not_taken_for_lost(ma
     (StorageUnavailable("stalled store"), True),
     (CheckpointError("taken over"), False),
     (TypeError("cannot pickle"), False),
+    (PermissionError("Access Denied"), False),  # s3fs's, for AccessDenied: no errno
+    (OSError("Forbidden: 403 POST https://storage.googleapis.com/upload"), False),  # gcsfs's 403: no errno
+    (OSError(errno.EFBIG, "File too large"), False),
+    (OSError(errno.ELOOP, "Too many levels of symbolic links"), False),
+    (type("DefaultCredentialsError", (Exception,), {})("no credentials"), False),  # google.auth's
+    (type("HttpError", (OSError,), {"code": 503})("Service Unavailable"), True),  # gcsfs's, with its status
+    (type("HttpError", (OSError,), {"code": 403})("Forbidden"), False),
+    (type("ServerDisconnectedError", (Exception,), {})("Server disconnected"), True),  # aiohttp's
 ])
 def test_which_errors_a_retry_may_fix(error, transient):
     assert is_transient(error) is transient
@@ -182,3 +190,29 @@ def test_a_storage_clients_own_errors_are_told_apart_by_their_codes():
     s3fs_errors = pytest.importorskip("s3fs.errors")  # what s3fs makes of them: errno-less PermissionError, EBUSY
     assert [is_transient(s3fs_errors.translate_boto_error(error)) for error in (throttled, denied, missing)] == [
         True, False, False]
+    # s3fs gives a corrupted upload and a bad bucket name the same EINVAL: the code it keeps as the cause tells.
+    bad_digest = botocore.ClientError({"Error": {"Code": "BadDigest", "Message": "no match"}}, "PutObject")
+    bad_name = botocore.ClientError({"Error": {"Code": "InvalidBucketName", "Message": "bad"}}, "PutObject")
+    assert [is_transient(s3fs_errors.translate_boto_error(error)) for error in (bad_digest, bad_name)] == [True, False]
+
+
+def test_whether_a_retry_may_fix_an_error_is_decided_where_it_happened_and_relayed_with_it():
+    """DCP relays a rank's error to the others as a plain picklable one (dcp_errors.plain): an s3fs PermissionError
+    has no errno, and a botocore ClientError becomes its name and words; the verdict travels with it."""
+    import pickle
+
+    from trainer.checkpoint.dcp_errors import plain
+    from trainer.checkpoint.reading import StorageUnreadable, agree
+
+    relayed = [pickle.loads(pickle.dumps(plain(error))) for error in (
+        PermissionError("Access Denied"), OSError(errno.EIO, "Input/output error"),
+        type("ClientError", (Exception,), {"response": {"Error": {"Code": "AccessDenied"}}})("denied"),
+        type("EndpointConnectionError", (Exception,), {})("unreachable"))]
+    assert [is_transient(error) for error in relayed] == [False, True, False, True]
+    # A resume's read that the storage did not return, agreed between the ranks: exit 200 where a retry may read it.
+    with pytest.raises(StorageUnreadable) as unread:
+        agree(None, "rank 1: .metadata unreadable (Please reduce your request rate.)", stops=True, transient=True)
+    assert unread.value.exit_code == EXIT_PEER_LOST
+    with pytest.raises(CheckpointError) as refused:
+        agree(None, "rank 1: .metadata unreadable (Permission denied)", stops=True)
+    assert refused.value.exit_code == EXIT_USAGE

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from torch.distributed.checkpoint.api import CheckpointException
 
 from trainer.checkpoint.reading import InvalidCheckpoint, load_failure
+from trainer.checkpoint.save_failures import is_transient
 
 __all__ = ["RankFailed", "Relayed", "failure_line", "first_failure", "plain", "quiet_when_alone"]
 
@@ -34,13 +35,16 @@ class RankFailed(Exception):
 def plain(error: BaseException) -> Exception:
     """An error DCP can send to the other ranks (it pickles them): an OSError as its number and words, anything
     else as its one line."""
-    if isinstance(error, InvalidCheckpoint):
+    if isinstance(error, InvalidCheckpoint | Relayed):
         return error
     if isinstance(error, OSError):
-        return OSError(error.errno, str(error.strerror or error))
-    if isinstance(error, Relayed):
-        return error
-    return Relayed(f"{type(error).__name__}: {' '.join(str(error).split())[:300]}")
+        relayed: Exception = OSError(error.errno, str(error.strerror or error))
+    else:
+        relayed = Relayed(f"{type(error).__name__}: {' '.join(str(error).split())[:300]}")
+    # Whether a retry may fix it is decided here, on the rank that failed, where the error's type, code and cause
+    # are known (an s3fs PermissionError has no errno): the attribute travels with the pickle.
+    relayed.transient = is_transient(error)  # type: ignore[attr-defined]
+    return relayed
 
 
 def first_failure(failed: CheckpointException, rank: int) -> tuple[int, BaseException]:

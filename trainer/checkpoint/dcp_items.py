@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint.reading import InvalidCheckpoint
+from trainer.checkpoint.reading import InvalidCheckpoint, StorageUnreadable
+from trainer.checkpoint.save_failures import is_transient
 from trainer.checkpoint.storage import CheckpointStorage, crc32_hex
 
 __all__ = ["BLOCK", "ITEMS", "ItemLayout", "describe", "plain_dtype", "read_errors", "read_tensor_bytes",
@@ -138,6 +139,8 @@ def read_errors(filename: str) -> Iterator[None]:
     except FileNotFoundError:
         raise InvalidCheckpoint(f"{filename} is missing (its metadata names it)") from None
     except OSError as error:
+        if is_transient(error):  # the storage's (throttled, an I/O error): the resume stops, to be retried
+            raise StorageUnreadable(f"{filename} unreadable ({error.strerror or error})") from None
         raise InvalidCheckpoint(f"{filename} unreadable ({error.strerror or error})") from None
 
 

@@ -31,13 +31,14 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed.tensor import DTensor
 
 from trainer.checkpoint import dcp_items
-from trainer.checkpoint.dcp_errors import failure_line, quiet_when_alone
+from trainer.checkpoint.dcp_errors import failure_line, first_failure, quiet_when_alone
 from trainer.checkpoint.dcp_items import ITEMS
 from trainer.checkpoint.dcp_metadata import folder_metadata
-from trainer.checkpoint.reading import InvalidCheckpoint, agree, checked_read, load_failure
+from trainer.checkpoint.reading import InvalidCheckpoint, StorageUnreadable, agree, checked_read, load_failure
+from trainer.checkpoint.save_failures import is_transient
 from trainer.checkpoint.shards import MARK
 from trainer.checkpoint.storage import CheckpointStorage, crc32_hex
-from trainer.errors import CheckpointError
+from trainer.errors import CheckpointError, StorageUnavailable
 
 __all__ = ["DcpSource"]
 
@@ -77,8 +78,12 @@ class _Reader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
         try:
             self._read(plan, planner)
+        except (InvalidCheckpoint, StorageUnavailable):  # said in one line already
+            raise
         except Exception as error:  # noqa: BLE001 - DCP sends it to every rank: one line, picklable
-            raise error if isinstance(error, InvalidCheckpoint) else InvalidCheckpoint(load_failure(error)) from None
+            if is_transient(error):  # the storage did not answer: the resume stops, to be retried (exit 200)
+                raise StorageUnreadable(f"{self.folder} unreadable ({load_failure(error)})") from None
+            raise InvalidCheckpoint(load_failure(error)) from None
         done: torch.futures.Future[None] = torch.futures.Future()
         done.set_result(None)
         return done
@@ -217,7 +222,7 @@ class DcpSource:
         if not wanted:  # the same on every rank: nothing to read, no collective
             return
         alone = not dist.is_initialized()
-        error, targets, reader, stops = None, {}, None, False
+        error, targets, reader, stops, transient = None, {}, None, False, False
         try:
             targets = self._targets(wanted)
             metadata = self.metadata or folder_metadata(self.storage, self.folder, self.manifest)
@@ -231,16 +236,20 @@ class DcpSource:
         except InvalidCheckpoint as problem:
             error = str(problem)
         except CheckpointError as problem:  # the storage did not answer (StorageUnreadable): the resume stops
-            error, stops = str(problem), True
-        except OSError as problem:
-            error = f"{self.folder} unreadable ({problem.strerror or problem})"
-        agree(None if alone else self.group, error, stops)
+            error, stops, transient = str(problem), True, is_transient(problem)
+        except OSError as problem:  # the storage's: the resume stops, and is retried where a retry may read it
+            error, stops = f"{self.folder} unreadable ({problem.strerror or problem})", True
+            transient = is_transient(problem)
+        agree(None if alone else self.group, error, stops, transient)
         assert reader is not None
         try:
             with quiet_when_alone(alone):
                 dcp.load(targets, storage_reader=reader, planner=DefaultLoadPlanner(flatten_state_dict=False),
                          process_group=None if alone else self.group, no_dist=alone)
         except CheckpointException as failed:
+            rank, error = first_failure(failed, 0)
+            if isinstance(error, StorageUnavailable):  # relayed from the rank whose read failed
+                raise StorageUnreadable(f"rank {rank}: {error}") from None
             raise InvalidCheckpoint(failure_line(failed)) from None
         self.bytes_read = reader.bytes_read
         self._loaded = targets

@@ -230,11 +230,15 @@ class CheckpointManager:
         name = checkpoint_name(state.position.step)
         opened: tuple[str | None, SaveFailure | None] = (None, None)
         if self.runtime.is_main:
-            try:
-                self._check_lease()
-                opened = (self.storage.begin(name, self.writer.generation()), None)
-            except CheckpointError as problem:
-                opened = (None, SaveFailure(str(problem), is_transient(problem)))
+            # The lease's reads may be retried and the store may be slow: the other ranks wait for this while rank 0
+            # is alive, past --collective-timeout-s (trainer.liveness), as for the save's outcome.
+            with self.runtime.busy(f"opening checkpoint {name}"):
+                try:
+                    self._check_lease()
+                    opened = (self.storage.begin(name, self.writer.generation()), None)
+                except CheckpointError as problem:
+                    opened = (None, SaveFailure(str(problem), is_transient(problem)))
+        self.runtime.wait_for_all("rank 0 to open the checkpoint's folder")
         temporary, failure = broadcast_from_main(opened, self.runtime)
         if temporary is None:
             self._settle(failure)  # raises, or the failure is tolerated: training goes on without this save

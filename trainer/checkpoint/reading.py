@@ -165,13 +165,13 @@ def load_failure(error: Exception) -> str:
     return first.split(". ", 1)[0].rstrip(".")[:300]
 
 
-def agree(group: Any, error: str | None, stops: bool = False) -> None:
+def agree(group: Any, error: str | None, stops: bool = False, transient: bool = False) -> None:
     """Every rank's outcome of what it read alone before a collective read (DCP's, or the next step of a resume):
     the first failure raised on every rank (a rank that quit alone would leave the others waiting in a collective
     until its timeout). ``stops``: the failure is this machine's (its disk, its network), not the checkpoint's,
-    raised as CheckpointError so that the resume stops rather than try an older checkpoint. ``group`` None: this
-    rank alone."""
-    outcome = (error, stops) if error else None
+    raised as CheckpointError so that the resume stops rather than try an older checkpoint; ``transient``: and a
+    retry may read it (StorageUnreadable, exit 200). ``group`` None: this rank alone."""
+    outcome = (error, stops, transient) if error else None
     if dist.is_initialized() and group is not None:
         everyone: list[Any] = [None] * dist.get_world_size(group)
         try:
@@ -182,4 +182,5 @@ def agree(group: Any, error: str | None, stops: bool = False) -> None:
                                   f"--checkpoint-timeout-s to read its part") from None
         outcome = next((found for found in everyone if found), None)
     if outcome:
-        raise (CheckpointError if outcome[1] else InvalidCheckpoint)(outcome[0])
+        message, stops, transient = outcome
+        raise (StorageUnreadable if transient else CheckpointError if stops else InvalidCheckpoint)(message)

@@ -14,27 +14,24 @@ from dataclasses import dataclass
 
 from trainer.errors import CheckpointError, StorageUnavailable
 
-# OSErrors a retry does not fix: the folder's permissions, its existence, the space left.
+# OSErrors a retry does not fix: the folder's permissions, its existence, the space left, a path that cannot be.
 PERMANENT_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR, errno.EISDIR,
-                              errno.ENOSPC, errno.EDQUOT, errno.ENAMETOOLONG, errno.EEXIST, errno.EINVAL})
-# The packages whose own errors (not OSErrors) are a storage client's: botocore's ClientError and connection
-# errors, aiohttp's, urllib3's, the cloud SDKs'.
-STORAGE_CLIENT_PACKAGES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "requests", "s3fs", "gcsfs", "adlfs",
-                           "azure", "google", "fsspec")
-# An object store's error codes that no retry fixes (S3's; GCS and Azure answer through the same statuses).
-PERMANENT_CODES = frozenset({"AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "SignatureDoesNotMatch",
-                             "NoSuchBucket", "InvalidBucketName", "AccountProblem", "ExpiredToken",
-                             "InvalidToken", "403", "404"})
-# A storage client's errors of configuration, which no retry fixes (botocore's: no credentials, no region).
-PERMANENT_TYPE_NAMES = frozenset({"NoCredentialsError", "PartialCredentialsError", "NoRegionError",
-                                  "ParamValidationError", "ProfileNotFound", "InvalidRegionError",
-                                  "UnknownServiceError", "InvalidConfigError"})
-# The type names an error relayed from another rank may carry (trainer.checkpoint.dcp_errors.Relayed holds the
-# type's name and words only): those of the client errors above a retry may fix.
-TRANSIENT_TYPE_NAMES = frozenset({"ClientError", "ConnectionError", "EndpointConnectionError", "ConnectTimeoutError",
-                                  "ReadTimeoutError", "ConnectionClosedError", "ResponseStreamingError",
+                              errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.ENAMETOOLONG, errno.ELOOP, errno.EEXIST,
+                              errno.EINVAL})
+# An object store's error codes (S3's, as botocore's ClientError carries them, and as s3fs keeps them as the cause
+# of the OSError it raises: its EINVAL for a BadDigest is a retry's business, its EINVAL for InvalidBucketName not).
+TRANSIENT_CODES = frozenset({"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "IncompleteBody",
+                             "BadDigest", "InvalidPart", "OperationAborted", "Throttling", "ThrottlingException",
+                             "RequestLimitExceeded", "TokenRefreshRequired", "500", "502", "503", "504", "429"})
+# Errors without an errno or a code: transient only where their type (or a base of it) is a connection's or a
+# timeout's, as botocore, aiohttp and urllib3 name them. Anything else (a 403 as gcsfs raises it, missing
+# credentials, azure's ClientAuthenticationError) is no storage hiccup: a retry would fail the same way.
+TRANSIENT_TYPE_NAMES = frozenset({"EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
+                                  "ConnectionClosedError", "ResponseStreamingError", "IncompleteReadError",
                                   "ServerDisconnectedError", "ClientOSError", "ClientPayloadError",
-                                  "ClientConnectorError", "IncompleteReadError", "ProtocolError", "TimeoutError"})
+                                  "ClientConnectorError", "ClientConnectionError", "ServerTimeoutError",
+                                  "ProtocolError", "NewConnectionError", "ServiceRequestError",
+                                  "ServiceResponseError", "TransportError", "ConnectionError", "TimeoutError"})
 
 
 @dataclass(frozen=True)
@@ -52,26 +49,28 @@ def is_transient(error: BaseException) -> bool:
         return True
     if isinstance(error, CheckpointError):  # a lost lease, a refused commit, a checkpoint that cannot be made
         return False
+    said = getattr(error, "transient", None)
+    if isinstance(said, bool):  # decided on the rank that failed, before DCP relayed it (dcp_errors.plain)
+        return said
+    code = _error_code(error) or _error_code(error.__cause__)
+    if code is not None:
+        return code in TRANSIENT_CODES
+    status = _status(error)
+    if status is not None:  # gcsfs's HttpError.code, azure's status_code
+        return status >= 500 or status in (408, 429)
+    if isinstance(error, ConnectionError | TimeoutError):
+        return True
     if isinstance(error, OSError) and error.errno is not None:
         return error.errno not in PERMANENT_ERRNOS
-    if isinstance(error, PermissionError | FileNotFoundError | NotADirectoryError | IsADirectoryError):
-        return False
-    code = _error_code(error)
-    if code is not None:
-        return code not in PERMANENT_CODES
-    if isinstance(error, OSError):  # no errno: a client's connection error (aiohttp's ClientOSError, a timeout)
-        return True
-    if type(error).__name__ in PERMANENT_TYPE_NAMES:
-        return False
-    return type(error).__module__.split(".")[0] in STORAGE_CLIENT_PACKAGES
+    return is_transient_type_name(*(kind.__name__ for kind in type(error).__mro__))
 
 
-def is_transient_type_name(name: str) -> bool:
-    """For an error known by its type's name only (relayed from another rank)."""
-    return name in TRANSIENT_TYPE_NAMES
+def is_transient_type_name(*names: str) -> bool:
+    """For an error known by its type's name (and its bases') only: a connection's or a timeout's."""
+    return any(name in TRANSIENT_TYPE_NAMES for name in names)
 
 
-def _error_code(error: BaseException) -> str | None:
+def _error_code(error: BaseException | None) -> str | None:
     """An object store client's error code (botocore's ClientError: ``response["Error"]["Code"]``), if any."""
     response = getattr(error, "response", None)
     if not isinstance(response, dict):
@@ -79,3 +78,11 @@ def _error_code(error: BaseException) -> str | None:
     details = response.get("Error")
     code = details.get("Code") if isinstance(details, dict) else None
     return str(code) if code is not None else None
+
+
+def _status(error: BaseException) -> int | None:
+    for name in ("code", "status_code", "status"):
+        value = getattr(error, name, None)
+        if isinstance(value, int) and 100 <= value <= 599:
+            return value
+    return None

@@ -49,7 +49,9 @@ class SaveOutcomes:
             self.failed_in_a_row = 0
             self._final_attempt = 0
             return True
-        said = failure.message if self.runtime.is_main else f"rank 0 could not write the checkpoint: {failure.message}"
+        said = failure.message  # rank 0's, or one that names the rank it came from
+        if not self.runtime.is_main and not said.startswith("rank "):
+            said = f"rank 0 could not write the checkpoint: {said}"
         if failure.stalled:
             raise StorageStalled(said)
         if not failure.transient:

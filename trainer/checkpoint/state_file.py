@@ -33,6 +33,7 @@ from trainer.checkpoint.reading import (
     expected,
     load_failure,
 )
+from trainer.checkpoint.save_failures import is_transient
 from trainer.checkpoint.schema import SchemaError, TrainingState
 from trainer.checkpoint.shards import MARK, marker_for, replace_tensors
 from trainer.checkpoint.storage import CheckpointStorage
@@ -159,19 +160,21 @@ class StateFileSource:
         if self._parts is not None:
             return
         copies = NodeCopies(self.resume) if self.resume else None
-        error, stops = None, False
+        error, stops, transient = None, False, False
         try:
             try:
                 self._parts = self._load(copies)
             except InvalidCheckpoint as problem:
                 error = str(problem)
-            except CheckpointError as problem:  # this machine's fault (its disk): the resume stops
-                error, stops = str(problem), True
+            except CheckpointError as problem:  # this machine's fault (its disk) or the storage's: the resume stops
+                error, stops, transient = str(problem), True, is_transient(problem)
             except Exception as problem:  # noqa: BLE001 - a storage client's own (botocore's, aiohttp's): stops
                 error, stops = f"{STATE_FILE} unreadable ({' '.join(str(problem).split())[:300]})", True
+                transient = is_transient(problem)
             if error and self.group is not None:
                 error = f"rank {dist.get_rank()}: {error}"
-            agree(self.group, error, stops)  # a rank that failed alone fails every rank, never leaving them waiting
+            # A rank that failed alone fails every rank, never leaving them waiting.
+            agree(self.group, error, stops, transient)
         finally:
             for path in copies.paths if copies else []:
                 node_copy.release(path)

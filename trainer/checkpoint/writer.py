@@ -21,7 +21,7 @@ from trainer.checkpoint import dcp_errors, dcp_items, dcp_writer
 from trainer.checkpoint.lease import CheckpointLease, LeaseUnreadable
 from trainer.checkpoint.reading import STATE_FILE
 from trainer.checkpoint.retention import Retention
-from trainer.checkpoint.save_failures import SaveFailure, is_transient, is_transient_type_name
+from trainer.checkpoint.save_failures import SaveFailure, is_transient
 from trainer.checkpoint.schema import DCP_FORMAT, FORMAT
 from trainer.checkpoint.snapshot import Snapshot
 from trainer.checkpoint.storage import CheckpointStorage, FileWriter
@@ -146,10 +146,9 @@ class CheckpointWriter:
                 return SaveFailure(said, transient=True)
             return SaveFailure(f"{said}; sharded checkpoints need a --checkpoint-dir that every rank reaches (a "
                                f"shared file system or an object store)", transient=False)
-        if isinstance(error, dcp_errors.Relayed):  # another rank's, known by its type's name and words
-            said, transient = str(error), is_transient_type_name(str(error).split(":", 1)[0])
-        else:
-            said, transient = f"{type(error).__name__}: {error}", is_transient(error)
+        # Another rank's (dcp_errors.Relayed) says itself, and whether a retry may fix it.
+        said = str(error) if isinstance(error, dcp_errors.Relayed) else f"{type(error).__name__}: {error}"
+        transient = is_transient(error)
         return SaveFailure(f"rank {rank} could not write its shards: {' '.join(said.split())[:300]}", transient)
 
     def _on_writer_thread(self, copies: list[Snapshot]) -> None:

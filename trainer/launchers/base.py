@@ -97,11 +97,12 @@ class Launcher(ABC):
         return f"{self.name}-{env.hostname}-{os.getpid()}", False
 
     def job_at_address(self, env: LaunchEnv, master_addr: str, master_port: int) -> tuple[str, bool]:
-        """For ranks started by hand or by a static rendezvous, where nothing but the address names the job: the
-        address (as ``job``) and the kernel boot id of the host, which is rank 0's there (rank 0 runs at the
-        master address), whose lease is the only one taken. Two such jobs on two hosts with the same address
-        (two Compose stacks whose first node is ``node0``) are then two jobs; a restart on the same host (until
-        it reboots) is the same one. The other ranks' ids name their own hosts and are never used."""
+        """For ranks started by hand, where nothing but the address names the job: the address (as ``job``) and
+        the kernel boot id of the host, which is rank 0's there (rank 0 runs at the master address), whose lease is
+        the only one taken. Two such jobs on two hosts with the same address (two stacks whose first node is
+        ``node0``) are then two jobs; a restart on the same host (until it reboots) is the same one. The other
+        ranks' ids name their own hosts and are never used. (No launcher of these restarts workers in place, so
+        no lease is kept for a next attempt that a rank 0 on another host would then be refused.)"""
         job, named = Launcher.job(self, env, master_addr, master_port)
         return (f"{job}/{env.boot_id[:8]}" if named and env.boot_id else job), named
 

@@ -48,7 +48,9 @@ class Torchrun(Launcher):
             # when a new rendezvous round moves the agent's store (MASTER_ADDR:MASTER_PORT) to another node.
             return f"torchrun-{run_id}", True
         if not is_loopback(master_addr):
-            return self.job_at_address(env, master_addr, master_port)
+            # Without the host's boot id (Launcher.job_at_address): a PyTorchJob's master pod that torchrun runs in
+            # may come back on another node, and a lease kept for its next attempt must still be this job's.
+            return f"torchrun@{master_addr}:{master_port}", True
         # A static rendezvous on a loopback address: its workers are the agent's children, and a restart keeps
         # the agent, so the attempt is the agent's (unnamed: another host's agent may have the same address).
         return f"torchrun-agent-{env.hostname}-{os.getppid()}", False

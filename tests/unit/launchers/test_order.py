@@ -30,10 +30,10 @@ def test_the_job_a_restart_belongs_to_is_named_by_what_each_launcher_keeps_acros
     compose = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
     assert identity_from_env(TORCHRUN_NODE1_RANK3, hostname="h").job == "torchrun-job"
     no_run_id = {**TORCHRUN_NODE1_RANK3, "TORCHELASTIC_RUN_ID": "none"}  # torchrun without --rdzv-id
-    # Only an address names these: with the kernel boot id of rank 0's host (two stacks whose first node is node0,
-    # on two hosts, are two jobs); a PyTorchJob's address is its name in its namespace, its master pod may move.
+    # Only an address names ranks started by hand: with the kernel boot id of rank 0's host (two stacks whose first
+    # node is node0, on two hosts, are two jobs). torchrun's and a PyTorchJob's master may come back on another node.
     boot = "0f1e2d3c-aaaa-bbbb-cccc-000000000000"
-    assert identity_from_env(no_run_id, boot_id=boot).job == "torchrun@node0:41231/0f1e2d3c"
+    assert identity_from_env(no_run_id, boot_id=boot).job == "torchrun@node0:41231"
     assert identity_from_env(pytorchjob, hostname="mnist-worker-0", boot_id=boot).job == \
         "pytorchjob@mnist-master-0:23456"
     assert identity_from_env(compose, hostname="node1", boot_id=boot).job == "env@node0:29500/0f1e2d3c"
