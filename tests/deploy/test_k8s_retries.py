@@ -79,9 +79,10 @@ def test_the_slurm_script_requeues_what_the_table_says(tmp_path):
     def requeued(code: int) -> bool:
         log = tmp_path / "scontrol.log"
         log.unlink(missing_ok=True)
+        # SLURM_RESTART_COUNT counts time-limit requeues too: they do not use up the script's own budget.
         env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_EXIT": str(code), "FAKE_LOG": str(log),
                "SLURM_JOB_ID": "812", "SLURM_JOB_NODELIST": "n1", "SLURM_NTASKS": "2",
-               "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_RESTART_COUNT": "7"}  # time-limit requeues count there too: not in the script's own budget
+               "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_RESTART_COUNT": "7"}
         ended = subprocess.run(["bash", str(REPO_ROOT / "slurm/train.sbatch")], env=env, capture_output=True,
                                text=True, timeout=60)
         assert ended.returncode == code, ended.stdout + ended.stderr
