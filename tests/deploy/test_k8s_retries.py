@@ -94,6 +94,8 @@ def test_the_slurm_script_requeues_what_the_table_says(tmp_path):
     assert [requeued(200) for _ in range(4)] == [True, True, False, True]
     assert requeued(143) is False
     assert [requeued(200) for _ in range(4)] == [True, True, True, False]
+    (tmp_path / ".ddp-requeues-812").write_text("")  # a count cut short: never taken for none
+    assert requeued(200) is False
 
 
 def test_ray_runs_the_worker_group_again_for_what_the_table_says(monkeypatch):

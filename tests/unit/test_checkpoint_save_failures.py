@@ -194,6 +194,15 @@ def test_a_storage_clients_own_errors_are_told_apart_by_their_codes():
     bad_digest = botocore.ClientError({"Error": {"Code": "BadDigest", "Message": "no match"}}, "PutObject")
     bad_name = botocore.ClientError({"Error": {"Code": "InvalidBucketName", "Message": "bad"}}, "PutObject")
     assert [is_transient(s3fs_errors.translate_boto_error(error)) for error in (bad_digest, bad_name)] == [True, False]
+    # Another store's own codes (MinIO's): its HTTP status tells, on botocore's error and behind s3fs's EIO.
+    def answered(code: str, status: int) -> Exception:
+        return botocore.ClientError({"Error": {"Code": code, "Message": code},
+                                     "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+
+    minio = [answered("SlowDownWrite", 503), answered("XMinioServerNotInitialized", 503),
+             answered("XAmzContentSHA256Mismatch", 400)]
+    assert [is_transient(error) for error in minio] == [True, True, False]
+    assert [is_transient(s3fs_errors.translate_boto_error(error)) for error in minio] == [True, True, False]
 
 
 def test_whether_a_retry_may_fix_an_error_is_decided_where_it_happened_and_relayed_with_it():

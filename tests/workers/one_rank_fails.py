@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 import trainer
-from trainer.checkpoint import dcp_metadata, manager
+from trainer.checkpoint import dcp_metadata, writer
 from trainer.checkpoint.reading import InvalidCheckpoint
 
 
@@ -33,7 +33,7 @@ def _inject(fault: str) -> None:
         def on_writer_thread(self: Any, copies: Any) -> None:
             raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
 
-        manager.CheckpointManager._on_writer_thread = on_writer_thread  # type: ignore[method-assign]
+        writer.CheckpointWriter._on_writer_thread = on_writer_thread  # type: ignore[method-assign]
     elif fault == "other-state":
         from trainer.checkpoint.storage.local import LocalStorage
 

@@ -26,6 +26,7 @@ import torch
 from trainer.checkpoint.reading import InvalidCheckpoint, StorageUnreadable
 from trainer.checkpoint.save_failures import is_transient
 from trainer.checkpoint.storage import CheckpointStorage, crc32_hex
+from trainer.errors import CheckpointError
 
 __all__ = ["BLOCK", "ITEMS", "ItemLayout", "describe", "plain_dtype", "read_errors", "read_tensor_bytes",
            "read_whole_into"]
@@ -139,9 +140,10 @@ def read_errors(filename: str) -> Iterator[None]:
     except FileNotFoundError:
         raise InvalidCheckpoint(f"{filename} is missing (its metadata names it)") from None
     except OSError as error:
-        if is_transient(error):  # the storage's (throttled, an I/O error): the resume stops, to be retried
-            raise StorageUnreadable(f"{filename} unreadable ({error.strerror or error})") from None
-        raise InvalidCheckpoint(f"{filename} unreadable ({error.strerror or error})") from None
+        # The storage's, not the checkpoint's: the resume stops (retried where a retry may read it), never skips
+        # to an older checkpoint.
+        said = f"{filename} unreadable ({error.strerror or error})"
+        raise (StorageUnreadable if is_transient(error) else CheckpointError)(said) from None
 
 
 def read_whole_into(storage: CheckpointStorage, folder: str, filename: str, offset: int, item_length: int,

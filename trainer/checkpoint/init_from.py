@@ -18,9 +18,10 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from trainer.checkpoint.dcp_metadata import folder_metadata
 from trainer.checkpoint.dcp_reader import DcpSource
 from trainer.checkpoint.reading import DCP_METADATA, InvalidCheckpoint, UnknownFormat, agree, read_manifest
+from trainer.checkpoint.save_failures import is_transient
 from trainer.checkpoint.shards import fit, marker_for
 from trainer.checkpoint.storage import MANIFEST, open_storage
-from trainer.errors import CheckpointError
+from trainer.errors import CheckpointError, StorageUnavailable
 from trainer.redact import redact
 
 __all__ = ["initial_weights"]
@@ -34,6 +35,8 @@ def initial_weights(path: str, model: nn.Module, group: Any) -> str:
     rank at once (a collective read over ``group``); returns what was loaded, for the log."""
     try:
         return _load(path, model, group)
+    except StorageUnavailable as problem:  # the storage did not answer: exit 200, retried
+        raise StorageUnavailable(redact(f"--init-from {path}: {problem}", path)) from None
     except (InvalidCheckpoint, UnknownFormat) as problem:
         raise CheckpointError(f"--init-from {path}: {problem}; pass a torch.distributed.checkpoint folder of this "
                               f"model") from None
@@ -71,16 +74,17 @@ def _load(path: str, model: nn.Module, group: Any) -> str:
     storage = open_storage(parent or ".")
     wanted = model.state_dict()
     error: str | None = None
+    stops = transient = False
     manifest, metadata, prefix, saved = None, None, "", {}
     try:  # what each rank reads alone, agreed on before the collective read
         manifest, metadata, prefix, saved = _match(storage, name, wanted)
     except InvalidCheckpoint as problem:
         error = str(problem)
-    except CheckpointError as problem:  # the storage did not answer (StorageUnreadable)
-        error = str(problem)
+    except CheckpointError as problem:  # the storage did not answer (StorageUnreadable): exit 200 where a retry may
+        error, stops, transient = str(problem), True, is_transient(problem)
     except OSError as problem:
-        error = f"cannot read it ({problem.strerror or problem})"
-    agree(group, error)
+        error, stops, transient = f"cannot read it ({problem.strerror or problem})", True, is_transient(problem)
+    agree(group, error, stops, transient)
     markers = {key: marker_for(f"{prefix}{key}", tensor) for key, tensor in wanted.items()}
     source = DcpSource(storage, name, manifest, group, metadata=metadata)
     try:

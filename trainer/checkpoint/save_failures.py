@@ -53,11 +53,15 @@ def is_transient(error: BaseException) -> bool:
     if isinstance(said, bool):  # decided on the rank that failed, before DCP relayed it (dcp_errors.plain)
         return said
     code = _error_code(error) or _error_code(error.__cause__)
-    if code is not None:
-        return code in TRANSIENT_CODES
-    status = _status(error)
-    if status is not None:  # gcsfs's HttpError.code, azure's status_code
+    if code in TRANSIENT_CODES:
+        return True
+    # Another store's own code (MinIO's SlowDownWrite, 503): its HTTP status tells. botocore keeps it in the response,
+    # gcsfs and azure on the error.
+    status = _status(error) or _status(error.__cause__)
+    if status is not None:
         return status >= 500 or status in (408, 429)
+    if code is not None:
+        return False
     if isinstance(error, ConnectionError | TimeoutError):
         return True
     if isinstance(error, OSError) and error.errno is not None:
@@ -80,9 +84,16 @@ def _error_code(error: BaseException | None) -> str | None:
     return str(code) if code is not None else None
 
 
-def _status(error: BaseException) -> int | None:
-    for name in ("code", "status_code", "status"):
+def _status(error: BaseException | None) -> int | None:
+    """The HTTP status of a store's answer, where the error keeps it: botocore's response metadata, gcsfs's
+    ``code``, azure's ``status_code``, aiohttp's ``status``."""
+    response = getattr(error, "response", None)
+    if isinstance(response, dict) and isinstance(response.get("ResponseMetadata"), dict):
+        value = response["ResponseMetadata"].get("HTTPStatusCode")
+        if isinstance(value, int):
+            return value
+    for name in ("status", "status_code", "code"):
         value = getattr(error, name, None)
-        if isinstance(value, int) and 100 <= value <= 599:
+        if isinstance(value, int) and not isinstance(value, bool) and 100 <= value <= 599:
             return value
     return None
