@@ -42,6 +42,7 @@ from trainer.distributed import (
     threads_per_rank,
 )
 from trainer.errors import (
+    EXIT_FAILURE,
     EXIT_OK,
     EXIT_PEER_LOST,
     EXIT_PREEMPTED,
@@ -143,7 +144,8 @@ def _exit_stuck(runtime: Runtime, diagnosis: str, checkpoints: CheckpointManager
     thread cannot be unwound: it waits in the device or in a collective that never ends)."""
     print(f"[rank {runtime.identity.rank}] error: {redact(diagnosis + _timeout_advice(runtime))}; exiting with "
           f"{EXIT_PEER_LOST} so the launcher restarts the job from its last checkpoint", file=sys.stderr, flush=True)
-    checkpoints.release_lease_within(FORCED_EXIT_CLEANUP_S, FAILED)
+    checkpoints.release_lease_within(FORCED_EXIT_CLEANUP_S, FAILED, EXIT_PEER_LOST,
+                                     redact(diagnosis.splitlines()[0][:300]))
     os._exit(EXIT_PEER_LOST)
 
 
@@ -252,8 +254,9 @@ def train(config: Config, task: RunTask, runtime: Runtime,
                     tracking.log_checkpoint(checkpoint_written(checkpoints, log))
             finally:
                 # The folder's lease: released, or kept for the next attempt of a job its launcher restarts in
-                # place (CheckpointManager.release_lease); a kill leaves it to expire.
-                checkpoints.close(ending)
+                # place (CheckpointManager.release_lease); a kill leaves it to expire. How this process ends goes
+                # into it, for the next attempt's count of attempts without progress.
+                checkpoints.close(ending, *_exit_of(sys.exc_info()[1]))
                 watcher.uninstall()
         summary = _summary(task, result, runtime, trainer, time.perf_counter() - started)
         agreed(runtime, lambda: write_summary(output_dir, summary) if runtime.is_main else None, OutputError)
@@ -261,6 +264,20 @@ def train(config: Config, task: RunTask, runtime: Runtime,
     if runtime.is_main:
         print(final_line(summary), flush=True)
     return summary
+
+
+def _exit_of(error: BaseException | None) -> tuple[int, str]:
+    """The exit code an error in flight ends this process with (as ``run`` maps it), and its first line."""
+    if error is None:
+        return EXIT_OK, ""
+    if isinstance(error, Preempted):
+        return EXIT_PREEMPTED, first_line(error)
+    if isinstance(error, UserError):
+        return error.exit_code, redact(first_line(Exception(user_message(error)))[:300])
+    said = redact(first_line(error)[:300])
+    if isinstance(error, torch.distributed.DistError) or PEER_LOST.search(said):
+        return EXIT_PEER_LOST, said
+    return EXIT_FAILURE, f"{type(error).__name__}: {said}"
 
 
 def _summary(task: RunTask, result: dict[str, float], runtime: Runtime, trainer: Trainer, wall_time_s: float

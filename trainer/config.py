@@ -189,6 +189,9 @@ class CheckpointConfig:
                                       "5xx) is a warning and training goes on; after this many in a row the job "
                                       "ends with exit 200, to be restarted from the last committed checkpoint",
                                    resume=ResumeRule.IGNORE)
+    max_attempts_without_progress: int = option(
+        5, "a job whose last N attempts failed (or were killed) without committing a checkpoint past where each "
+           "started is not retried again: its next attempt exits 2 (0: no limit)", resume=ResumeRule.IGNORE)
     lease_expiry_s: float = option(60.0, "a checkpoint folder belongs to one job; the lease of a job killed without "
                                          "releasing it is free after this many seconds without renewal",
                                   resume=ResumeRule.IGNORE)
@@ -207,6 +210,8 @@ class CheckpointConfig:
         check(self.checkpoint_timeout_s > 0, f"--checkpoint-timeout-s must be > 0, got {self.checkpoint_timeout_s:g}")
         check(self.max_failed_saves >= 1, f"--max-failed-saves must be >= 1 (1: the first failed save ends the job), "
                                           f"got {self.max_failed_saves}")
+        check(self.max_attempts_without_progress >= 0, f"--max-attempts-without-progress must be >= 0 (0: no "
+                                                       f"limit), got {self.max_attempts_without_progress}")
         check(self.lease_expiry_s >= 4, f"--lease-expiry-s must be >= 4 (it is renewed every quarter of it), "
                                         f"got {self.lease_expiry_s:g}")
 

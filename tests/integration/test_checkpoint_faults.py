@@ -123,3 +123,34 @@ def test_a_sharded_resume_whose_reads_the_store_throttles_ends_to_be_retried_and
         assert ("--resume none" in line) is (code == EXIT_USAGE), line
     monkeypatch.undo()
     assert run(argv=[*args, "--output-dir", str(tmp_path / "resume"), "--max-steps", "4"]) == 0
+
+
+def test_a_job_whose_attempts_keep_failing_without_a_checkpoint_stops_being_retried(tmp_path, monkeypatch, capfd):
+    """Every save fails (a store that refuses writes with 503s for good): each attempt ends with exit 200, which
+    launchers retry, and none commits a checkpoint; after --max-attempts-without-progress of them the next attempt
+    is refused with exit 2 and says why, so the retries end. Started once more with no limit, on a store that
+    answers again, it trains."""
+    location = f"memory://faults-{uuid.uuid4().hex[:8]}/ckpt"
+    args = ["--dataset", "synthetic", "--synthetic-train-size", "32", "--synthetic-test-size", "8", "--batch-size",
+            "8", "--epochs", "1", "--progress", "off", "--no-tensorboard", "--checkpoint-dir", location,
+            "--checkpoint-every", "1", "--max-failed-saves", "1", "--job-id", "no-progress",
+            "--output-dir", str(tmp_path)]
+    write_file = FsspecStorage.write_file
+
+    def refused(self, temporary, filename, write_content):  # noqa: ANN001, ANN202 - the backend's signature
+        if filename == "state.pt":
+            raise OSError(errno.EBUSY, "Please reduce your request rate.")
+        return write_file(self, temporary, filename, write_content)
+
+    monkeypatch.setattr(FsspecStorage, "write_file", refused)
+    codes = [run(argv=[*args, "--max-attempts-without-progress", "2"]) for _ in range(3)]
+    assert codes == [EXIT_PEER_LOST, EXIT_PEER_LOST, EXIT_USAGE], codes
+    [line] = [line for line in capfd.readouterr().err.splitlines()[-5:] if "error:" in line]
+    assert ("the last 2 attempts of this job (no-progress) ended without committing a checkpoint past step 0 (the "
+            "last: exit 200: 1 checkpoint save(s) in a row failed (--max-failed-saves 1), the last at step 1: could "
+            "not write checkpoint") in line, line
+    assert line.endswith("it is not retried again (--max-attempts-without-progress 2). Fix the cause, then start it "
+                         "once more with --max-attempts-without-progress 0"), line
+    monkeypatch.undo()
+    assert run(argv=[*args, "--max-attempts-without-progress", "0"]) == 0
+    assert run(argv=[*args, "--max-attempts-without-progress", "2", "--epochs", "2"]) == 0  # the count began again

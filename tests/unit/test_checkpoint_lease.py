@@ -49,10 +49,10 @@ def location(request: pytest.FixtureRequest, tmp_path) -> str:
 
 
 def lease_for(location: str, job: str, clock: Clock | None = None, expires_after_s: float = 60.0,
-              job_named: bool = True) -> CheckpointLease:
+              job_named: bool = True, max_failed_attempts: int = 0) -> CheckpointLease:
     clock = clock or Clock()
     return CheckpointLease(open_storage(location), job, f"host-{job}", expires_after_s, LOG, clock, job_named,
-                           monotonic=clock, sleep=clock.sleep)
+                           monotonic=clock, sleep=clock.sleep, max_failed_attempts=max_failed_attempts)
 
 
 def test_a_second_job_is_refused_naming_the_holder_and_the_ways_out(location):
@@ -343,3 +343,41 @@ def test_this_jobs_earlier_attempt_on_another_host_is_watched_before_its_lease_i
     assert 4 <= clock.slept <= 5
     assert ("took over the lease of checkpoint folder" in caplog.text and "from an earlier attempt of this job "
             "(job-a) on host-job-a, whose lease was not renewed while watched for 4s" in caplog.text), caplog.text
+
+
+def test_a_job_whose_attempts_keep_failing_without_progress_is_not_retried_past_the_limit(location):
+    """Each attempt's record says where it started, what it committed and how it ended; the next attempt of the
+    same job counts those in a row that failed (or were killed) without a checkpoint past their start."""
+    clock = Clock()
+
+    def attempt(start: int, committed: int, exit_code: int, limit: int = 3, job: str = "job-a") -> int:
+        lease = lease_for(location, job, clock, max_failed_attempts=limit)
+        lease.take()
+        lease.start_step, lease.committed_step, lease.exit_code = start, committed, exit_code
+        lease.failure = "3 checkpoint save(s) in a row failed (--max-failed-saves 3)"
+        lease.release()
+        return lease.failed_in_a_row
+
+    assert [attempt(10, 10, 200) for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(CheckpointError) as refused:
+        lease_for(location, "job-a", clock, max_failed_attempts=3).take()
+    assert str(refused.value).endswith(
+        "the last 3 attempts of this job (job-a) ended without committing a checkpoint past step 10 (the last: exit "
+        "200: 3 checkpoint save(s) in a row failed (--max-failed-saves 3)); it is not retried again "
+        "(--max-attempts-without-progress 3). Fix the cause, then start it once more with "
+        "--max-attempts-without-progress 0"), refused.value
+    # Started by hand with no limit: it counts on; one that commits past its start begins the count again.
+    assert attempt(10, 10, 200, limit=0) == 3
+    assert attempt(10, 14, 200, limit=0) == 4 and attempt(14, 14, 200) == 0
+    # A bad input's exit (2) and a preemption (143) are no failure to count; another job's record neither.
+    assert [attempt(14, 14, code) for code in (200, 2, 200, 143, 200)] == [1, 2, 0, 1, 0]
+    assert attempt(14, 14, 200, job="job-b") == 0
+    # Killed without an exit (out of memory): its record was never ended, and it counts.
+    killed = lease_for(location, "job-b", clock, max_failed_attempts=3)
+    killed.take()
+    killed.start_step = 14
+    killed.boot = ""  # its process cannot be looked up from here: watched, then taken
+    killed.renew()
+    taker = lease_for(location, "job-b", clock, max_failed_attempts=3)
+    taker.take()
+    assert taker.failed_in_a_row == 2

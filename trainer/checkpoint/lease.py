@@ -76,6 +76,14 @@ class Holder:
     boot: str = ""
     pid_namespace: str = ""
     took: str = ""  # from whom and why this holder took the lease, for the job it was taken from
+    # The attempt's progress, for the next attempt of its job (``failures_before``): the step it started from and
+    # the newest it committed (-1: none known), how it ended (its exit code, -1 while running or where it was
+    # killed without one; its error's first line), and how many attempts before it failed without progress.
+    start_step: int = -1
+    committed_step: int = -1
+    exit_code: int = -1
+    failure: str = ""
+    failed_in_a_row: int = 0
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self), indent=2).encode()
@@ -87,7 +95,9 @@ class Holder:
             raw = json.loads(data)
             return cls(str(raw["job"]), str(raw["host"]), int(raw["pid"]), float(raw["renewed_unix"]),
                        float(raw["expires_after_s"]), bool(raw.get("released", False)), bool(raw.get("kept", False)),
-                       str(raw.get("boot", "")), str(raw.get("pid_namespace", "")), str(raw.get("took", "")))
+                       str(raw.get("boot", "")), str(raw.get("pid_namespace", "")), str(raw.get("took", "")),
+                       int(raw.get("start_step", -1)), int(raw.get("committed_step", -1)),
+                       int(raw.get("exit_code", -1)), str(raw.get("failure", "")), int(raw.get("failed_in_a_row", 0)))
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -95,8 +105,8 @@ class Holder:
 class CheckpointLease:
     def __init__(self, storage: CheckpointStorage, job: str, host: str, expires_after_s: float,
                  log: logging.Logger, clock: Callable[[], float] = time.time, job_named: bool = True,
-                 monotonic: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep
-                 ) -> None:
+                 monotonic: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                 max_failed_attempts: int = 0) -> None:
         self.storage = storage
         self.job = job
         self.job_named = job_named  # see DistIdentity.job_named: an unnamed job's restart is another job
@@ -111,6 +121,13 @@ class CheckpointLease:
         self.took = ""  # why this job took the lease (written into its record for a job it was taken from)
         self._renewed_at = 0.0  # monotonic() of the last write of this holder's record that succeeded
         self.boot, self.pid_namespace = process_place()
+        # --max-attempts-without-progress (0: no limit), and this attempt's progress for its record (Holder).
+        self.max_failed_attempts = max_failed_attempts
+        self.start_step = -1
+        self.committed_step = -1
+        self.exit_code = -1
+        self.failure = ""
+        self.failed_in_a_row = 0
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
 
@@ -143,6 +160,10 @@ class CheckpointLease:
                         why = (f"an earlier attempt of this job ({self.job}) on {current.host}, whose lease was not "
                                f"renewed while watched for {self.expires_after_s / 2:.0f}s")
             self.took = "" if current is None else why or ""
+            self.failed_in_a_row = self._failures_before(current)
+            if self.max_failed_attempts and self.failed_in_a_row >= self.max_failed_attempts:
+                assert current is not None
+                raise CheckpointError(self._no_progress_message(current))
             if self.storage.create_exclusive(LEASE_FOLDER, holder_file(newest + 1), self._record().to_bytes()):
                 self.generation = newest + 1
                 self._renewed_at = self.monotonic()
@@ -179,6 +200,26 @@ class CheckpointLease:
         if take_over:
             return f"job {current.job} on {current.host} (--take-over-checkpoint-dir)"
         return None
+
+    def _failures_before(self, current: Holder | None) -> int:
+        """How many attempts of this job in a row failed without committing a checkpoint past the step each started
+        from, ``current`` (the one before this) included: one that failed (any exit but a bad input's 2 or 3, which
+        no launcher should retry, and a preemption's 143) or was killed without an exit. Another job's record, one
+        that made progress, finished or was preempted starts the count again."""
+        if current is None or current.job != self.job or current.exit_code in (0, 2, 3, 143):
+            return 0
+        if current.committed_step > current.start_step:
+            return 0
+        return current.failed_in_a_row + 1
+
+    def _no_progress_message(self, current: Holder) -> str:
+        last = (f"exit {current.exit_code}: {current.failure}" if current.exit_code >= 0 else
+                "killed without an exit: out of memory (OOMKilled), or its node was lost")
+        started = f"step {current.start_step}" if current.start_step >= 0 else "where it started"
+        return (f"checkpoint folder {self.storage.describe()}: the last {self.failed_in_a_row} attempts of this job "
+                f"({self.job}) ended without committing a checkpoint past {started} (the last: {last}); it is not "
+                f"retried again (--max-attempts-without-progress {self.max_failed_attempts}). Fix the cause, then "
+                f"start it once more with --max-attempts-without-progress 0")
 
     def _may_be_alive(self, current: Holder, take_over: bool) -> bool:
         """Whether the holder may still be renewing the lease this job may take by the rules (``_why_free``), so
@@ -350,7 +391,8 @@ class CheckpointLease:
     # -- files ---------------------------------------------------------------------------------------------
     def _record(self, released: bool = False, kept: bool = False) -> Holder:
         return Holder(self.job, self.host, os.getpid(), self.clock(), self.expires_after_s, released, kept, self.boot,
-                      self.pid_namespace, self.took)
+                      self.pid_namespace, self.took, self.start_step, self.committed_step, self.exit_code,
+                      self.failure, self.failed_in_a_row)
 
     def _generations(self) -> list[int]:
         found = (HOLDER_FILE.match(name) for name in self.storage.files(LEASE_FOLDER))

@@ -108,7 +108,8 @@ class CheckpointManager:
                 self.storage.check_writable()
                 identity = self.runtime.identity
                 lease = CheckpointLease(self.storage, identity.job, identity.hostname, self.config.lease_expiry_s,
-                                        self.log, job_named=identity.job_named)
+                                        self.log, job_named=identity.job_named,
+                                        max_failed_attempts=self.config.max_attempts_without_progress)
                 try:
                     lease.take(take_over=self.config.take_over_checkpoint_dir)
                 except OSError as problem:
@@ -132,6 +133,8 @@ class CheckpointManager:
                 found = self._find(resume)
                 # Never the whole state to every rank: each reads what it holds from the files.
                 outcome = None if found is None else found.for_every_rank()
+                if self.lease is not None:  # where this attempt starts, for the next one's count of progress
+                    self.lease.start_step = 0 if found is None else found.state.position.step
             except CheckpointError as problem:  # StorageUnavailable where the storage failed: exit 200, retried
                 outcome = SaveFailure(str(problem), is_transient(problem))
             except UnknownFormat as problem:
@@ -299,16 +302,19 @@ class CheckpointManager:
         """Whether a write outlasted --checkpoint-timeout-s: the storage may not answer any more."""
         return self.writer.stalled
 
-    def release_lease(self, ending: str = FINISHED) -> None:
+    def release_lease(self, ending: str = FINISHED, exit_code: int = -1, failure: str = "") -> None:
         """End this job's hold on the folder now, without waiting for a save in progress (an exit without one).
         Released, so that the next job starts at once; but where the launcher starts this job's workers again
         itself (``restarts_left``), a run that stops before its end keeps it for the next attempt, so that no other
         job takes the folder in between: stopped by a signal this rank received (a membership change of an elastic
         job looks the same as the launcher's own end), or failed (stopped by another rank's signal included: its
         launcher counts that exit as a failure) with restarts left. Kept, it is marked so and no longer renewed:
-        another job may take it once it expires (--lease-expiry-s from now), and is told why it waits."""
+        another job may take it once it expires (--lease-expiry-s from now), and is told why it waits. ``exit_code``
+        and ``failure``: how the process ends, for the next attempt's count of attempts without progress."""
         if self.lease is None:
             return
+        self.lease.exit_code = 0 if ending == FINISHED else 143 if ending == STOPPED else exit_code
+        self.lease.failure = failure
         left = self.runtime.identity.restarts_left
         if left is not None and (ending == STOPPED or (ending == FAILED and left > 0)):
             self.lease.keep()
@@ -321,12 +327,12 @@ class CheckpointManager:
             self.lease.release()
         self.lease = None
 
-    def close(self, ending: str = FINISHED) -> None:
+    def close(self, ending: str = FINISHED, exit_code: int = -1, failure: str = "") -> None:
         """End the folder's lease (on rank 0; local, no collective; ``release_lease``): the next job may start at
         once. ``ending``: how the run ended (FINISHED, STOPPED by a signal, FAILED)."""
         writer = self.writer
         if writer.stalled:  # the storage does not answer: neither the write nor a release would end
-            self.release_lease_within(RELEASE_AFTER_STALL_S, ending)
+            self.release_lease_within(RELEASE_AFTER_STALL_S, ending, exit_code, failure)
             return
         if writer.thread is not None:
             # A save still being written belongs to this job's time in the folder, up to its deadline; past it,
@@ -335,13 +341,16 @@ class CheckpointManager:
             if writer.thread.is_alive():
                 writer.stalled = True
                 self.log.warning("%s", writer.stalled_message(writer.name))
-                self.release_lease_within(RELEASE_AFTER_STALL_S, ending)
+                self.release_lease_within(RELEASE_AFTER_STALL_S, ending, exit_code, failure)
                 return
-        self.release_lease_within(RELEASE_S, ending)  # a storage that hangs now must not keep a finished job alive
+        # A storage that hangs now must not keep a finished job alive.
+        self.release_lease_within(RELEASE_S, ending, exit_code, failure)
 
-    def release_lease_within(self, seconds: float, ending: str = FINISHED) -> None:
+    def release_lease_within(self, seconds: float, ending: str = FINISHED, exit_code: int = -1,
+                             failure: str = "") -> None:
         """End the lease from a thread given ``seconds``: the storage may be what hangs (a forced exit)."""
-        releaser = threading.Thread(target=self.release_lease, args=(ending,), name="lease-release", daemon=True)
+        releaser = threading.Thread(target=self.release_lease, args=(ending, exit_code, failure), name="lease-release",
+                                    daemon=True)
         releaser.start()
         releaser.join(seconds)
 
@@ -355,6 +364,8 @@ class CheckpointManager:
         last = self._last_committed_said() if self.runtime.is_main else ""
         if self.outcomes.settle(failure, unconfirmed.step, last):
             self.committed_step = unconfirmed.step
+            if self.lease is not None:
+                self.lease.committed_step = max(self.lease.committed_step, unconfirmed.step)
             self._confirm(unconfirmed)
 
     def _last_committed_said(self) -> str:
