@@ -190,7 +190,7 @@ class CheckpointConfig:
                                       "ends with exit 200, to be restarted from the last committed checkpoint",
                                    resume=ResumeRule.IGNORE)
     max_attempts_without_progress: int = option(
-        5, "a job whose last N attempts failed (or were killed) without committing a checkpoint past where each "
+        10, "a job whose last N attempts failed (or were killed) without committing a checkpoint past where each "
            "started is not retried again: its next attempt exits 2 (0: no limit)", resume=ResumeRule.IGNORE)
     lease_expiry_s: float = option(60.0, "a checkpoint folder belongs to one job; the lease of a job killed without "
                                          "releasing it is free after this many seconds without renewal",

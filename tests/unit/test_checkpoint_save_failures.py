@@ -146,7 +146,8 @@ def test_a_lease_the_storage_does_not_return_is_read_again_not_taken_for_lost(ma
     assert committed(location) == [1] and warnings(caplog) == []
     failures["left"] = 1000
     manager.save(state_at(2))  # never readable: the save fails as on any storage error, a warning
-    said = warnings(caplog)
+    # (The lease's renewer, which writes each commit's progress into it, warns of its own failed reads.)
+    said = [line for line in warnings(caplog) if not line.startswith("could not renew the lease")]
     assert len(said) == 1 and "could not read the lease of checkpoint folder" in said[0], said
     assert "4 tries)" in said[0] and "taken over" not in said[0], said[0]
     failures["left"] = 0

@@ -129,6 +129,7 @@ class CheckpointLease:
         self.failure = ""
         self.failed_in_a_row = 0
         self._stop = threading.Event()
+        self._wake = threading.Event()  # the renewer writes the record now rather than at its next period
         self._renewer: threading.Thread | None = None
 
     # -- taking --------------------------------------------------------------------------------------------
@@ -350,8 +351,17 @@ class CheckpointLease:
         self._renewer = threading.Thread(target=self._renew_until_stopped, name="checkpoint-lease", daemon=True)
         self._renewer.start()
 
+    def record_soon(self) -> None:
+        """Have the renewer write this holder's record now (this attempt's progress changed), from its own thread:
+        a storage that hangs holds the renewer, never training."""
+        self._wake.set()
+
     def _renew_until_stopped(self) -> None:
-        while not self._stop.wait(self.expires_after_s / 4):
+        while True:
+            self._wake.wait(self.expires_after_s / 4)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.renew()
             except CheckpointError as problem:
@@ -374,6 +384,7 @@ class CheckpointLease:
     def _end(self, last: Holder, done: str) -> None:
         """Stop renewing, then write this holder's last record (kept or released), unless the lease was lost."""
         self._stop.set()
+        self._wake.set()
         if self._renewer is not None:
             # A renewal stuck in a hung storage call would hold this forever: the last record is tried regardless
             # (it may hang just the same: callers bound it, CheckpointManager.release_lease_within).

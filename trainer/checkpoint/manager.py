@@ -98,6 +98,12 @@ class CheckpointManager:
     def _check_lease(self) -> None:
         self.writer.check_lease()
 
+    def _record_progress(self) -> None:
+        """The lease's record written soon with this attempt's progress (CheckpointLease.start_step, committed_step),
+        by its renewer: an attempt killed before its next renewal must not look like one that made none."""
+        assert self.lease is not None
+        self.lease.record_soon()
+
     # -- start ---------------------------------------------------------------------------------------------
     def prepare(self) -> None:
         """On rank 0: check the location, take its lease (trainer.checkpoint.lease), then clear crashed saves'
@@ -135,6 +141,7 @@ class CheckpointManager:
                 outcome = None if found is None else found.for_every_rank()
                 if self.lease is not None:  # where this attempt starts, for the next one's count of progress
                     self.lease.start_step = 0 if found is None else found.state.position.step
+                    self._record_progress()
             except CheckpointError as problem:  # StorageUnavailable where the storage failed: exit 200, retried
                 outcome = SaveFailure(str(problem), is_transient(problem))
             except UnknownFormat as problem:
@@ -366,6 +373,7 @@ class CheckpointManager:
             self.committed_step = unconfirmed.step
             if self.lease is not None:
                 self.lease.committed_step = max(self.lease.committed_step, unconfirmed.step)
+                self._record_progress()
             self._confirm(unconfirmed)
 
     def _last_committed_said(self) -> str:
