@@ -347,37 +347,86 @@ def test_this_jobs_earlier_attempt_on_another_host_is_watched_before_its_lease_i
 
 def test_a_job_whose_attempts_keep_failing_without_progress_is_not_retried_past_the_limit(location):
     """Each attempt's record says where it started, what it committed and how it ended; the next attempt of the
-    same job counts those in a row that failed (or were killed) without a checkpoint past their start."""
+    same job counts those in a row that failed (or were killed) without a checkpoint past their start, judged by its
+    record and by where this attempt resumes (trainer.checkpoint.attempts)."""
     clock = Clock()
 
-    def attempt(start: int, committed: int, exit_code: int, limit: int = 3, job: str = "job-a") -> int:
-        lease = lease_for(location, job, clock, max_failed_attempts=limit)
+    def attempt(start: int, committed: int, exit_code: int, limit: int = 3, job: str = "job-a",
+                restarts: int = 0) -> int:
+        lease = CheckpointLease(open_storage(location), job, f"host-{job}", 60.0, LOG, clock, monotonic=clock,
+                                sleep=clock.sleep, max_failed_attempts=limit, restart_count=restarts)
         lease.take()
-        lease.start_step, lease.committed_step, lease.exit_code = start, committed, exit_code
-        lease.failure = "3 checkpoint save(s) in a row failed (--max-failed-saves 3)"
-        lease.release()
-        return lease.failed_in_a_row
+        try:
+            lease.started_at(start)
+            if committed > start:
+                lease.committed(committed)
+            lease.attempt.exit_code = exit_code
+        except CheckpointError:
+            lease.attempt.exit_code = 2  # refused: the process exits 2, and its record says so
+            raise
+        finally:
+            lease.attempt.failure = "3 checkpoint save(s) in a row failed (--max-failed-saves 3)"
+            lease.release()
+        return lease.attempt.failed_in_a_row
 
     assert [attempt(10, 10, 200) for _ in range(3)] == [0, 1, 2]
-    with pytest.raises(CheckpointError) as refused:
-        lease_for(location, "job-a", clock, max_failed_attempts=3).take()
+    for _ in range(2):  # the refusal is stable: the refused attempt's own record carries the count on
+        with pytest.raises(CheckpointError) as refused:
+            attempt(10, 10, 200)
     assert str(refused.value).endswith(
         "the last 3 attempts of this job (job-a) ended without committing a checkpoint past step 10 (the last: exit "
-        "200: 3 checkpoint save(s) in a row failed (--max-failed-saves 3)); it is not retried again "
+        "2: 3 checkpoint save(s) in a row failed (--max-failed-saves 3)); it is not retried again "
         "(--max-attempts-without-progress 3). Fix the cause, then start it once more with "
         "--max-attempts-without-progress 0"), refused.value
-    # Started by hand with no limit: it counts on; one that commits past its start begins the count again.
-    assert attempt(10, 10, 200, limit=0) == 3
-    assert attempt(10, 14, 200, limit=0) == 4 and attempt(14, 14, 200) == 0
-    # A bad input's exit (2) and a preemption (143) are no failure to count; another job's record neither.
-    assert [attempt(14, 14, code) for code in (200, 2, 200, 143, 200)] == [1, 2, 0, 1, 0]
-    assert attempt(14, 14, 200, job="job-b") == 0
+    # Started by hand with no limit, the count begins again.
+    assert attempt(10, 10, 200, limit=0) == 0
+    # Progress, in the record (committed past its start) or in the folder (this attempt resumes past the last one's
+    # start), ends the count.
+    assert attempt(10, 14, 200) == 1 and attempt(14, 14, 200) == 0 and attempt(20, 20, 200) == 0
+    # A bad input's exit (2) and a preemption (143) carry the count on; a preemption that the launcher answered with
+    # a restart (torchrun stops every rank when any fails, and counts a restart only then) counts.
+    assert [attempt(20, 20, code, limit=9) for code in (200, 2, 200, 143, 200)] == [1, 2, 2, 3, 3]
+    assert attempt(20, 20, 143, restarts=1, limit=9) == 4
+    assert attempt(20, 20, 200, restarts=2, limit=9) == 5
+    assert attempt(20, 20, 200, job="job-b") == 0  # another job's record: its own count
     # Killed without an exit (out of memory): its record was never ended, and it counts.
     killed = lease_for(location, "job-b", clock, max_failed_attempts=3)
     killed.take()
-    killed.start_step = 14
+    killed.started_at(14)
     killed.boot = ""  # its process cannot be looked up from here: watched, then taken
     killed.renew()
     taker = lease_for(location, "job-b", clock, max_failed_attempts=3)
     taker.take()
-    assert taker.failed_in_a_row == 2
+    taker.started_at(14)
+    assert taker.attempt.failed_in_a_row == 2
+
+
+def test_a_renewal_that_ends_after_the_release_leaves_the_released_record(tmp_path, monkeypatch):
+    """_end waits for the renewer only so long (a hung storage): a renewal still being written must not overwrite
+    the last record (the next attempt would watch a released lease, and count a finished attempt as killed)."""
+    import time
+
+    from trainer.checkpoint import lease as lease_module
+
+    monkeypatch.setattr(lease_module, "RENEWER_JOIN_S", 0.1)
+    lease = CheckpointLease(open_storage(str(tmp_path)), "job-a", "host-a", 4.0, LOG)
+    lease.take()
+    replace_file = lease.storage.replace_file
+    renewing = threading.Event()
+
+    def slow_for_the_renewer(name: str, filename: str, data: bytes) -> None:
+        if threading.current_thread().name == "checkpoint-lease":
+            renewing.set()
+            time.sleep(1.0)
+        replace_file(name, filename, data)
+
+    monkeypatch.setattr(lease.storage, "replace_file", slow_for_the_renewer)
+    lease.start_renewing()
+    lease.record_soon()
+    assert renewing.wait(10)
+    lease.attempt.exit_code = 0
+    lease.release()
+    time.sleep(2.0)  # the renewal in flight ends meanwhile
+    (record,) = open_storage(str(tmp_path)).files(LEASE_FOLDER)
+    holder = Holder.from_bytes(open_storage(str(tmp_path)).read(LEASE_FOLDER, record))
+    assert holder is not None and holder.released and holder.attempt.exit_code == 0, holder

@@ -33,8 +33,9 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields, replace
 
+from trainer.checkpoint.attempts import Attempt, failures_before, refusal
 from trainer.checkpoint.storage import CheckpointStorage, NotAFile
 from trainer.errors import CheckpointError, StorageUnavailable, described
 from trainer.launchers.base import kernel_boot_id
@@ -53,6 +54,9 @@ READ_RETRIES_S = (1.0, 2.0, 4.0)
 class LeaseUnreadable(StorageUnavailable):
     """The lease could not be read (the storage did not answer): nothing commits on it, and nothing is pruned. A
     retry may read it: the save fails, as on any storage error, but the folder is not taken for lost."""
+
+
+ATTEMPT_FIELDS = {item.name: int if item.type == "int" else str for item in fields(Attempt)}
 
 
 def holder_file(generation: int) -> str:
@@ -76,14 +80,7 @@ class Holder:
     boot: str = ""
     pid_namespace: str = ""
     took: str = ""  # from whom and why this holder took the lease, for the job it was taken from
-    # The attempt's progress, for the next attempt of its job (``failures_before``): the step it started from and
-    # the newest it committed (-1: none known), how it ended (its exit code, -1 while running or where it was
-    # killed without one; its error's first line), and how many attempts before it failed without progress.
-    start_step: int = -1
-    committed_step: int = -1
-    exit_code: int = -1
-    failure: str = ""
-    failed_in_a_row: int = 0
+    attempt: Attempt = field(default_factory=Attempt)  # its progress, for its job's next (trainer.checkpoint.attempts)
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self), indent=2).encode()
@@ -96,9 +93,9 @@ class Holder:
             return cls(str(raw["job"]), str(raw["host"]), int(raw["pid"]), float(raw["renewed_unix"]),
                        float(raw["expires_after_s"]), bool(raw.get("released", False)), bool(raw.get("kept", False)),
                        str(raw.get("boot", "")), str(raw.get("pid_namespace", "")), str(raw.get("took", "")),
-                       int(raw.get("start_step", -1)), int(raw.get("committed_step", -1)),
-                       int(raw.get("exit_code", -1)), str(raw.get("failure", "")), int(raw.get("failed_in_a_row", 0)))
-        except (ValueError, KeyError, TypeError):
+                       Attempt(**{name: kind(value) for name, value in raw.get("attempt", {}).items()
+                                  if (kind := ATTEMPT_FIELDS.get(name))}))
+        except (ValueError, KeyError, TypeError, AttributeError):
             return None
 
 
@@ -106,7 +103,7 @@ class CheckpointLease:
     def __init__(self, storage: CheckpointStorage, job: str, host: str, expires_after_s: float,
                  log: logging.Logger, clock: Callable[[], float] = time.time, job_named: bool = True,
                  monotonic: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
-                 max_failed_attempts: int = 0) -> None:
+                 max_failed_attempts: int = 0, restart_count: int = 0) -> None:
         self.storage = storage
         self.job = job
         self.job_named = job_named  # see DistIdentity.job_named: an unnamed job's restart is another job
@@ -121,13 +118,12 @@ class CheckpointLease:
         self.took = ""  # why this job took the lease (written into its record for a job it was taken from)
         self._renewed_at = 0.0  # monotonic() of the last write of this holder's record that succeeded
         self.boot, self.pid_namespace = process_place()
-        # --max-attempts-without-progress (0: no limit), and this attempt's progress for its record (Holder).
+        # --max-attempts-without-progress (0: no limit); this attempt's progress, for its record; the one before
+        # (the same job's, as its record says: trainer.checkpoint.attempts).
         self.max_failed_attempts = max_failed_attempts
-        self.start_step = -1
-        self.committed_step = -1
-        self.exit_code = -1
-        self.failure = ""
-        self.failed_in_a_row = 0
+        self.attempt = Attempt(restart_count=restart_count)
+        self.previous: Attempt | None = None
+        self._final: Holder | None = None  # the record _end writes: a renewal that ends later writes it again
         self._stop = threading.Event()
         self._wake = threading.Event()  # the renewer writes the record now rather than at its next period
         self._renewer: threading.Thread | None = None
@@ -161,10 +157,7 @@ class CheckpointLease:
                         why = (f"an earlier attempt of this job ({self.job}) on {current.host}, whose lease was not "
                                f"renewed while watched for {self.expires_after_s / 2:.0f}s")
             self.took = "" if current is None else why or ""
-            self.failed_in_a_row = self._failures_before(current)
-            if self.max_failed_attempts and self.failed_in_a_row >= self.max_failed_attempts:
-                assert current is not None
-                raise CheckpointError(self._no_progress_message(current))
+            self.previous = current.attempt if current is not None and current.job == self.job else None
             if self.storage.create_exclusive(LEASE_FOLDER, holder_file(newest + 1), self._record().to_bytes()):
                 self.generation = newest + 1
                 self._renewed_at = self.monotonic()
@@ -202,25 +195,24 @@ class CheckpointLease:
             return f"job {current.job} on {current.host} (--take-over-checkpoint-dir)"
         return None
 
-    def _failures_before(self, current: Holder | None) -> int:
-        """How many attempts of this job in a row failed without committing a checkpoint past the step each started
-        from, ``current`` (the one before this) included: one that failed (any exit but a bad input's 2 or 3, which
-        no launcher should retry, and a preemption's 143) or was killed without an exit. Another job's record, one
-        that made progress, finished or was preempted starts the count again."""
-        if current is None or current.job != self.job or current.exit_code in (0, 2, 3, 143):
-            return 0
-        if current.committed_step > current.start_step:
-            return 0
-        return current.failed_in_a_row + 1
+    def started_at(self, step: int) -> None:
+        """This attempt resumes from ``step`` (0: fresh): counted against the attempts before it, and refused
+        (CheckpointError) past --max-attempts-without-progress (trainer.checkpoint.attempts). An attempt started
+        with no limit begins the count again."""
+        self.attempt.start_step = step
+        failed = failures_before(self.previous, step, self.attempt.restart_count)
+        # Refused, this attempt's own record carries the count on (its exit 2 neither adds to it nor ends it).
+        self.attempt.failed_in_a_row = failed
+        if self.max_failed_attempts and failed >= self.max_failed_attempts:
+            assert self.previous is not None
+            raise CheckpointError(refusal(self.storage.describe(), self.job, self.previous, failed,
+                                          self.max_failed_attempts))
+        self.attempt.failed_in_a_row = failed if self.max_failed_attempts else 0
+        self.record_soon()
 
-    def _no_progress_message(self, current: Holder) -> str:
-        last = (f"exit {current.exit_code}: {current.failure}" if current.exit_code >= 0 else
-                "killed without an exit: out of memory (OOMKilled), or its node was lost")
-        started = f"step {current.start_step}" if current.start_step >= 0 else "where it started"
-        return (f"checkpoint folder {self.storage.describe()}: the last {self.failed_in_a_row} attempts of this job "
-                f"({self.job}) ended without committing a checkpoint past {started} (the last: {last}); it is not "
-                f"retried again (--max-attempts-without-progress {self.max_failed_attempts}). Fix the cause, then "
-                f"start it once more with --max-attempts-without-progress 0")
+    def committed(self, step: int) -> None:
+        self.attempt.committed_step = max(self.attempt.committed_step, step)
+        self.record_soon()
 
     def _may_be_alive(self, current: Holder, take_over: bool) -> bool:
         """Whether the holder may still be renewing the lease this job may take by the rules (``_why_free``), so
@@ -342,8 +334,10 @@ class CheckpointLease:
 
     def renew(self) -> None:
         self.check()
-        assert self.generation is not None
-        self.storage.replace_file(LEASE_FOLDER, holder_file(self.generation), self._record().to_bytes())
+        generation = self.generation
+        if generation is None or self._final is not None:
+            return  # ended: the last record is _end's
+        self.storage.replace_file(LEASE_FOLDER, holder_file(generation), self._record().to_bytes())
         self._renewed_at = self.monotonic()
 
     def start_renewing(self) -> None:
@@ -363,7 +357,12 @@ class CheckpointLease:
             if self._stop.is_set():
                 return
             try:
+                generation = self.generation
                 self.renew()
+                final = self._final
+                if final is not None and generation is not None:  # _end's last record came while this one was written
+                    self.storage.replace_file(LEASE_FOLDER, holder_file(generation), final.to_bytes())
+                    return
             except CheckpointError as problem:
                 self.log.error("%s", problem)
                 return
@@ -383,6 +382,7 @@ class CheckpointLease:
 
     def _end(self, last: Holder, done: str) -> None:
         """Stop renewing, then write this holder's last record (kept or released), unless the lease was lost."""
+        self._final = last
         self._stop.set()
         self._wake.set()
         if self._renewer is not None:
@@ -402,8 +402,7 @@ class CheckpointLease:
     # -- files ---------------------------------------------------------------------------------------------
     def _record(self, released: bool = False, kept: bool = False) -> Holder:
         return Holder(self.job, self.host, os.getpid(), self.clock(), self.expires_after_s, released, kept, self.boot,
-                      self.pid_namespace, self.took, self.start_step, self.committed_step, self.exit_code,
-                      self.failure, self.failed_in_a_row)
+                      self.pid_namespace, self.took, replace(self.attempt))
 
     def _generations(self) -> list[int]:
         found = (HOLDER_FILE.match(name) for name in self.storage.files(LEASE_FOLDER))

@@ -98,12 +98,6 @@ class CheckpointManager:
     def _check_lease(self) -> None:
         self.writer.check_lease()
 
-    def _record_progress(self) -> None:
-        """The lease's record written soon with this attempt's progress (CheckpointLease.start_step, committed_step),
-        by its renewer: an attempt killed before its next renewal must not look like one that made none."""
-        assert self.lease is not None
-        self.lease.record_soon()
-
     # -- start ---------------------------------------------------------------------------------------------
     def prepare(self) -> None:
         """On rank 0: check the location, take its lease (trainer.checkpoint.lease), then clear crashed saves'
@@ -115,7 +109,8 @@ class CheckpointManager:
                 identity = self.runtime.identity
                 lease = CheckpointLease(self.storage, identity.job, identity.hostname, self.config.lease_expiry_s,
                                         self.log, job_named=identity.job_named,
-                                        max_failed_attempts=self.config.max_attempts_without_progress)
+                                        max_failed_attempts=self.config.max_attempts_without_progress,
+                                        restart_count=identity.restart_count)
                 try:
                     lease.take(take_over=self.config.take_over_checkpoint_dir)
                 except OSError as problem:
@@ -139,9 +134,8 @@ class CheckpointManager:
                 found = self._find(resume)
                 # Never the whole state to every rank: each reads what it holds from the files.
                 outcome = None if found is None else found.for_every_rank()
-                if self.lease is not None:  # where this attempt starts, for the next one's count of progress
-                    self.lease.start_step = 0 if found is None else found.state.position.step
-                    self._record_progress()
+                if self.lease is not None:  # where this attempt starts: refused after too many without progress
+                    self.lease.started_at(0 if found is None else found.state.position.step)
             except CheckpointError as problem:  # StorageUnavailable where the storage failed: exit 200, retried
                 outcome = SaveFailure(str(problem), is_transient(problem))
             except UnknownFormat as problem:
@@ -320,8 +314,8 @@ class CheckpointManager:
         and ``failure``: how the process ends, for the next attempt's count of attempts without progress."""
         if self.lease is None:
             return
-        self.lease.exit_code = 0 if ending == FINISHED else 143 if ending == STOPPED else exit_code
-        self.lease.failure = failure
+        self.lease.attempt.exit_code = 0 if ending == FINISHED else 143 if ending == STOPPED else exit_code
+        self.lease.attempt.failure = failure
         left = self.runtime.identity.restarts_left
         if left is not None and (ending == STOPPED or (ending == FAILED and left > 0)):
             self.lease.keep()
@@ -372,8 +366,7 @@ class CheckpointManager:
         if self.outcomes.settle(failure, unconfirmed.step, last):
             self.committed_step = unconfirmed.step
             if self.lease is not None:
-                self.lease.committed_step = max(self.lease.committed_step, unconfirmed.step)
-                self._record_progress()
+                self.lease.committed(unconfirmed.step)
             self._confirm(unconfirmed)
 
     def _last_committed_said(self) -> str:
