@@ -51,7 +51,7 @@ def test_saves_and_a_resume_through_a_failing_store_lose_nothing_and_train_as_wi
     under = f"/{bucket}/ckpt/"
     # Steps 2 and 3: every request of the save is throttled, then answered with 500s (two failed saves in a row,
     # under --max-failed-saves 3); step 4: its uploads stall for 3 s (the save waits, then commits); step 6 (the
-    # last): every request is reset for 12 s, its periodic save fails and the final one is tried again until the
+    # last, saved once: its final save): every request is reset for 12 s, and the save is tried again until the
     # store answers; and the lease's file is refused for 6 s (longer than its 4 s expiry) once taken.
     s3_faults.fail("slowdown", 600, matching(under=under, contains="/step-00000002."))
     s3_faults.fail("error500", 600, matching(under=under, contains="/step-00000003."))
