@@ -137,7 +137,7 @@ class CheckpointLease:
             return f"job {current.job} on {current.host} (--take-over-checkpoint-dir; renewed {age:.0f}s ago)"
         if current.job == self.job and self._ended_here(current):
             if current.pid == os.getpid():
-                return f"an earlier run of this job ({self.job}) in this very process"
+                return f"an earlier attempt of this job ({self.job}) in this very process"
             return f"an earlier attempt of this job ({self.job}), whose process {current.pid} on this host has ended"
         if current.job == self.job:
             return f"an earlier attempt of this job ({self.job})"
