@@ -558,12 +558,13 @@ def test_a_sharded_save_whose_reports_never_reach_rank_0_fails_on_every_rank_and
     args = [*ARGS, "--batch-size", str(GLOBAL_BATCH // 2), "--output-dir", str(tmp_path), "--sync", "fsdp",
             "--checkpoint-every", "3"]
     result = torchrun(args, nproc=2, module="tests.workers.broken_gather")
-    # torchrun's summary of its ranks: the first to exit 2, the other 2 as well, or SIGTERM (-15) when torchrun
-    # stopped it first (seen under load, 2026-11-25), which may come before that rank printed its line.
+    # torchrun's summary of its ranks: the first to exit 200 (a rank lost, not a storage error: retried from the last
+    # checkpoint), the other 200 as well, or SIGTERM (-15) when torchrun stopped it first (seen under load,
+    # 2026-11-25), which may come before that rank printed its line.
     exits = re.findall(r"^\s*exitcode\s*: (-?\d+)", result.stderr, re.MULTILINE)
-    assert "2" in exits and sorted(exits) in (["2", "2"], ["-15", "2"]), result.stderr[-3000:]
+    assert "200" in exits and sorted(exits) in (["200", "200"], ["-15", "200"]), result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if "] error:" in line]
-    assert len(lines) == 2 if exits == ["2", "2"] else 1 <= len(lines) <= 2, lines
+    assert len(lines) == 2 if exits == ["200", "200"] else 1 <= len(lines) <= 2, lines
     assert all("checkpoint" in line and "step-00000003" in line and "did not reach rank 0" in line
                for line in lines), lines
     assert "step-00000003 written" not in result.stderr

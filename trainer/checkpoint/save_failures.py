@@ -41,6 +41,7 @@ class SaveFailure:
     message: str
     transient: bool
     stalled: bool = False  # outlasted --checkpoint-timeout-s: the storage stopped answering (StorageStalled)
+    peer_lost: bool = False  # the ranks could not exchange the save's reports: a rank gone (PeerLost, exit 200)
 
 
 def is_transient(error: BaseException) -> bool:

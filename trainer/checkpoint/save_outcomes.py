@@ -10,7 +10,7 @@ import time
 from trainer.checkpoint.save_failures import SaveFailure
 from trainer.config import CheckpointConfig
 from trainer.distributed import Runtime, broadcast_from_main
-from trainer.errors import CheckpointError, StorageStalled, StorageUnavailable
+from trainer.errors import CheckpointError, PeerLost, StorageStalled, StorageUnavailable
 
 # A final save that failed on a storage error is tried again after these pauses, within its deadline.
 FINAL_SAVE_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0)
@@ -54,6 +54,8 @@ class SaveOutcomes:
             said = f"rank 0 could not write the checkpoint: {said}"
         if failure.stalled:
             raise StorageStalled(said)
+        if failure.peer_lost:
+            raise PeerLost(said)
         if not failure.transient:
             raise CheckpointError(said)
         if self.final_deadline is not None:

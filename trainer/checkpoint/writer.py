@@ -114,10 +114,11 @@ class CheckpointWriter:
                 dist.gather_object((written, failure), everyone, dst=0, group=group)
                 reports = everyone or []
         except Exception as error:  # noqa: BLE001 - a save whose reports never arrived is a failed save
-            # A rank that died ends the training's next collective anyway; one that was slow may do better next time.
+            # No storage error: a rank is gone, or the save's own group timed out (and may not work again). The job
+            # ends to be restarted, as for any lost rank.
             self.error = SaveFailure(f"the ranks' reports of checkpoint {self.storage.describe(name)} did not "
-                                             f"reach rank 0 ({' '.join(str(error).split())[:300]}). The previous "
-                                             f"checkpoints are untouched", transient=True)
+                                     f"reach rank 0 ({' '.join(str(error).split())[:300]}). The previous "
+                                     f"checkpoints are untouched", transient=False, peer_lost=True)
             if self.runtime.is_main:
                 self.storage.abandon(temporary)
             return
