@@ -161,7 +161,8 @@ def driving(folder: Path) -> Iterator[None]:
         try:
             fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as error:
-            if error.errno not in (errno.EAGAIN, errno.EACCES):  # no locks here at all (an NFS mount without them)
+            # Locking fails here (ENOLCK, ...); a nolock mount locks locally and never gets here.
+            if error.errno not in (errno.EAGAIN, errno.EACCES):
                 print(f"warning: cannot lock {folder / DRIVER_LOCK} ({error.strerror}): a second driver of this run "
                       f"would not be refused", file=sys.stderr, flush=True)
                 yield

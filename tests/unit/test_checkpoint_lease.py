@@ -399,6 +399,20 @@ def test_a_job_whose_attempts_keep_failing_without_progress_is_not_retried_past_
     taker.take()
     taker.started_at(14)
     assert taker.attempt.failed_in_a_row == 2
+    taker.release()
+    # Attempts that end before they know where they resume (a resume that fails, a kill while loading) count too.
+    assert attempt(30, 30, 200, job="job-c") == 0
+    for count in (1, 2):
+        failing = lease_for(location, "job-c", clock, max_failed_attempts=3)
+        failing.take()
+        failing.attempt.exit_code = 200
+        failing.release()
+        assert failing.attempt.failed_in_a_row == count
+    third = lease_for(location, "job-c", clock, max_failed_attempts=3)
+    third.take()
+    with pytest.raises(CheckpointError, match=r"the last 3 attempts of this job \(job-c\) ended without committing a "
+                                              r"checkpoint past where it started \(the last: exit 200"):
+        third.started_at(30)
 
 
 def test_a_renewal_that_ends_after_the_release_leaves_the_released_record(tmp_path, monkeypatch):

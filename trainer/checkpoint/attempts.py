@@ -1,7 +1,8 @@
 """Retries without progress end: each attempt of a job writes into the checkpoint folder's lease where it started,
-what it committed and how it ended (trainer.checkpoint.lease.Holder); the next attempt of the same job counts those
-before it, in a row, that failed or were killed without committing a checkpoint past their start, and past
---max-attempts-without-progress is refused (exit 2), so that a job failing the same way is not retried for ever.
+what it committed and how it ended (trainer.checkpoint.lease_record.Holder); the next attempt of the same job
+counts those before it, in a row, that failed or were killed without committing a checkpoint past their start, and
+past --max-attempts-without-progress is refused (exit 2), so that a job failing the same way is not retried for
+ever.
 
 Progress is judged by the folder as well as by the record: the checkpoint the next attempt resumes from is newer
 than the step the previous one started from (an asynchronous save settled only at the next save, or a kill before
@@ -33,12 +34,13 @@ class Attempt:
 def failures_before(previous: Attempt | None, resumed_step: int, restart_count: int) -> int:
     """How many attempts in a row before this one failed without progress, ``previous`` (the same job's attempt
     just before, None for another job's or none) included. ``resumed_step``: where this attempt resumes (0:
-    fresh). A preemption (143) counts as a failure where the launcher restarted its workers after one: torchrun
-    stops every rank with SIGTERM when any rank fails, and counts a restart only then (a membership change is no
-    restart)."""
+    fresh; -1 not yet known). One that ended before it knew where it resumed (its start -1) made no progress. A
+    preemption (143) counts as a failure where the launcher restarted its workers after one: torchrun stops every
+    rank with SIGTERM when any rank fails, and counts a restart only then (a membership change is no restart)."""
     if previous is None or previous.exit_code == EXIT_OK:
         return 0
-    if resumed_step > previous.start_step or previous.committed_step > previous.start_step:
+    if (previous.start_step >= 0 and resumed_step > previous.start_step) or \
+            previous.committed_step > previous.start_step:
         return 0  # it committed past its start (seen in the folder, or in its record)
     if previous.exit_code == EXIT_PREEMPTED and restart_count > previous.restart_count:
         return previous.failed_in_a_row + 1

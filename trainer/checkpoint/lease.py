@@ -109,8 +109,13 @@ class CheckpointLease:
                     if current.job == self.job and not current.kept:
                         why = (f"an earlier attempt of this job ({self.job}) on {current.host}, whose lease was not "
                                f"renewed while watched for {self.expires_after_s / 2:.0f}s")
-            self.took = "" if current is None else why or ""
+            if current is None and newest:  # taken over while its file was being written (or damaged)
+                why = "a lease file being written or damaged (--take-over-checkpoint-dir)"
+            self.took = why or ""
             self.previous = current.attempt if current is not None and current.job == self.job else None
+            # Until this attempt knows where it resumes (started_at), its record carries the count on: one that
+            # ends before that (a resume that fails, a kill while loading) is counted too.
+            self.attempt.failed_in_a_row = failures_before(self.previous, -1, self.attempt.restart_count)
             if self.storage.create_exclusive(LEASE_FOLDER, holder_file(newest + 1), self._record().to_bytes()):
                 self.generation = newest + 1
                 self._renewed_at = self.monotonic()
@@ -182,7 +187,7 @@ class CheckpointLease:
     def _ended_here(self, current: Holder) -> bool:
         """Whether the holder's process is known to have ended: it ran on this host (the same kernel boot and pid
         namespace, where a pid names the same process) and no process has its pid now, or it is this process
-        (an earlier run in it, which a run in progress cannot be)."""
+        (an earlier attempt in it, which a run in progress cannot be)."""
         if not current.boot or (current.boot, current.pid_namespace) != (self.boot, self.pid_namespace):
             return False
         if current.pid == os.getpid():

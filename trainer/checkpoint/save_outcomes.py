@@ -36,7 +36,8 @@ class SaveOutcomes:
     def settle(self, failure: SaveFailure | None, step: int, last_said: str) -> bool:
         """Every rank learns how the save of ``step`` ended, from rank 0 (``last_said``, rank 0's: the checkpoint a
         restart would resume from, in words); True if it committed. Failed on an error a retry cannot fix:
-        CheckpointError (exit 2); stalled past --checkpoint-timeout-s: StorageStalled (exit 200). Failed on a
+        CheckpointError (exit 2); stalled past --checkpoint-timeout-s: StorageStalled (exit 200); the ranks' reports
+        lost: PeerLost (exit 200). Failed on a
         storage error a retry may fix: a periodic save is one warning on every rank and training goes on, up to
         --max-failed-saves in a row (then StorageUnavailable, exit 200, naming the last committed checkpoint); a
         final save raises SaveRetry while rank 0's deadline leaves time for another try."""
