@@ -285,7 +285,7 @@ HOLDER = """
 import logging, sys, time
 from trainer.checkpoint import open_storage
 from trainer.checkpoint.lease import CheckpointLease
-lease = CheckpointLease(open_storage(sys.argv[1]), "shared-id", "host-a", 4.0, logging.getLogger("holder"))
+lease = CheckpointLease(open_storage(sys.argv[1]), "shared-id", "host-a", 8.0, logging.getLogger("holder"))
 lease.take()
 lease.start_renewing()
 print("held", flush=True)
@@ -308,11 +308,11 @@ def test_a_live_holder_with_this_jobs_identity_is_never_taken_and_one_gone_is_ta
                               env={**os.environ, "PYTHONPATH": os.getcwd()})
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-        newcomer = CheckpointLease(open_storage(location), "shared-id", "host-b", 4.0, LOG)
+        newcomer = CheckpointLease(open_storage(location), "shared-id", "host-b", 8.0, LOG)
         started = time.monotonic()
         with pytest.raises(CheckpointError) as refused:
             newcomer.take()
-        assert time.monotonic() - started < 4, "refused after one watch of two renewal periods"
+        assert time.monotonic() - started < 8, "refused after one watch of two renewal periods"
         assert str(refused.value) == (
             f"checkpoint folder {location} is held by a live job with this job's identity (shared-id): rank 0 pid "
             f"{holder.pid} on host-a renewed its lease while this job (on host-b) watched it, so it is another "
@@ -323,7 +323,7 @@ def test_a_live_holder_with_this_jobs_identity_is_never_taken_and_one_gone_is_ta
         holder.wait(30)
         started = time.monotonic()
         with caplog.at_level(logging.WARNING, logger="lease-test"):
-            CheckpointLease(open_storage(location), "shared-id", "host-b", 4.0, LOG).take()
+            CheckpointLease(open_storage(location), "shared-id", "host-b", 8.0, LOG).take()
         assert time.monotonic() - started < 1, "a holder whose process ended here is not watched"
         assert (f"from an earlier attempt of this job (shared-id), whose process {holder.pid} on this host has "
                 f"ended") in caplog.text
