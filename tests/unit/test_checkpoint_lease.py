@@ -440,7 +440,7 @@ def test_a_renewal_that_ends_after_the_release_leaves_the_released_record(tmp_pa
     assert renewing.wait(10)
     lease.attempt.exit_code = 0
     lease.release()
-    time.sleep(2.0)  # the renewal in flight ends meanwhile
+    time.sleep(3.0)  # the renewal in flight ends meanwhile
     (record,) = open_storage(str(tmp_path)).files(LEASE_FOLDER)
     holder = Holder.from_bytes(open_storage(str(tmp_path)).read(LEASE_FOLDER, record))
     assert holder is not None and holder.released and holder.attempt.exit_code == 0, holder
