@@ -23,10 +23,8 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint.reading import InvalidCheckpoint, StorageUnreadable
-from trainer.checkpoint.save_failures import is_transient
+from trainer.checkpoint.reading import InvalidCheckpoint, storage_failure
 from trainer.checkpoint.storage import CheckpointStorage, crc32_hex
-from trainer.errors import CheckpointError
 
 __all__ = ["BLOCK", "ITEMS", "ItemLayout", "describe", "plain_dtype", "read_errors", "read_tensor_bytes",
            "read_whole_into"]
@@ -142,8 +140,7 @@ def read_errors(filename: str) -> Iterator[None]:
     except OSError as error:
         # The storage's, not the checkpoint's: the resume stops (retried where a retry may read it), never skips
         # to an older checkpoint.
-        said = f"{filename} unreadable ({error.strerror or error})"
-        raise (StorageUnreadable if is_transient(error) else CheckpointError)(said) from None
+        raise storage_failure(f"{filename} unreadable ({error.strerror or error})", error) from None
 
 
 def read_whole_into(storage: CheckpointStorage, folder: str, filename: str, offset: int, item_length: int,

@@ -29,7 +29,7 @@ from trainer.checkpoint.verification import LoadedCheckpoint, verify, verify_pat
 from trainer.checkpoint.writer import CheckpointWriter, SaveTiming
 from trainer.config import CheckpointConfig
 from trainer.distributed import Runtime, broadcast_from_main, gather_to_main
-from trainer.errors import CheckpointError, StorageUnavailable, described
+from trainer.errors import EXIT_OK, EXIT_PREEMPTED, CheckpointError, StorageUnavailable, described
 from trainer.redact import redact
 
 __all__ = ["FAILED", "FINISHED", "STOPPED", "CheckpointManager", "Committed", "InvalidCheckpoint", "Monitor",
@@ -91,10 +91,6 @@ class CheckpointManager:
     def last_timing(self) -> SaveTiming:
         return self.writer.last_timing
 
-    @property
-    def failed_in_a_row(self) -> int:
-        return self.outcomes.failed_in_a_row
-
     def _check_lease(self) -> None:
         self.writer.check_lease()
 
@@ -123,7 +119,7 @@ class CheckpointManager:
                 lease.start_renewing()
                 self.retention.remove_leftovers()
             except CheckpointError as problem:
-                error = SaveFailure(str(problem), is_transient(problem))
+                error = SaveFailure.of(problem)
         self._raise_everywhere(error)
 
     def load(self, resume: str) -> LoadedCheckpoint | None:
@@ -137,13 +133,13 @@ class CheckpointManager:
                 if self.lease is not None:  # where this attempt starts: refused after too many without progress
                     self.lease.started_at(0 if found is None else found.state.position.step)
             except CheckpointError as problem:  # StorageUnavailable where the storage failed: exit 200, retried
-                outcome = SaveFailure(str(problem), is_transient(problem))
+                outcome = SaveFailure.of(problem)
             except UnknownFormat as problem:
                 outcome = SaveFailure(str(problem), transient=False)
         self.runtime.wait_for_all("rank 0 to read the checkpoint to resume from")
         outcome = broadcast_from_main(outcome, self.runtime)
         if isinstance(outcome, SaveFailure):
-            raise (StorageUnavailable if outcome.transient else CheckpointError)(outcome.message)
+            raise outcome.error()
         return outcome
 
     def _find(self, resume: str) -> LoadedCheckpoint | None:
@@ -241,7 +237,7 @@ class CheckpointManager:
                     self._check_lease()
                     opened = (self.storage.begin(name, self.writer.generation()), None)
                 except CheckpointError as problem:
-                    opened = (None, SaveFailure(str(problem), is_transient(problem)))
+                    opened = (None, SaveFailure.of(problem))
         self.runtime.wait_for_all("rank 0 to open the checkpoint's folder")
         temporary, failure = broadcast_from_main(opened, self.runtime)
         if temporary is None:
@@ -314,7 +310,8 @@ class CheckpointManager:
         and ``failure``: how the process ends, for the next attempt's count of attempts without progress."""
         if self.lease is None:
             return
-        self.lease.attempt.exit_code = 0 if ending == FINISHED else 143 if ending == STOPPED else exit_code
+        ended = {FINISHED: EXIT_OK, STOPPED: EXIT_PREEMPTED}
+        self.lease.attempt.exit_code = ended.get(ending, exit_code)
         self.lease.attempt.failure = failure
         left = self.runtime.identity.restarts_left
         if left is not None and (ending == STOPPED or (ending == FAILED and left > 0)):
@@ -381,9 +378,8 @@ class CheckpointManager:
         self.runtime.wait_for_all("rank 0's checkpoint work")
         failure = broadcast_from_main(failure, self.runtime)
         if failure is not None:
-            kind = StorageUnavailable if failure.transient else CheckpointError
             if self.runtime.is_main:
-                raise kind(failure.message)
-            raise kind(f"rank 0 could not use the checkpoint folder: {failure.message}")
+                raise failure.error()
+            raise failure.error(f"rank 0 could not use the checkpoint folder: {failure.message}")
 
 

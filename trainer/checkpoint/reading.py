@@ -42,10 +42,15 @@ def unreadable(filename: str, error: OSError) -> Exception:
     CheckpointError where no retry fixes it, no permission)."""
     if isinstance(error, FileNotFoundError):
         return InvalidCheckpoint(f"{filename} is missing (the manifest lists it)")
-    said = (f"{filename} unreadable ({error.strerror or error}); the checkpoint is not skipped for an older one on an "
-            f"error the storage may not repeat: start the run again once it answers, or pass --resume with another "
-            f"checkpoint or none")
-    return StorageUnreadable(said) if is_transient(error) else CheckpointError(said)
+    return storage_failure(f"{filename} unreadable ({error.strerror or error}); the checkpoint is not skipped for an "
+                           f"older one on an error the storage may not repeat: start the run again once it answers, "
+                           f"or pass --resume with another checkpoint or none", error)
+
+
+def storage_failure(said: str, error: BaseException) -> CheckpointError:
+    """A read the storage failed, which stops the resume (never skipped for an older checkpoint): StorageUnreadable
+    (exit 200) where a retry may read it, else CheckpointError (exit 2)."""
+    return (StorageUnreadable if is_transient(error) else CheckpointError)(said)
 
 
 class UnknownFormat(Exception):

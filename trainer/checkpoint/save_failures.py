@@ -43,6 +43,16 @@ class SaveFailure:
     stalled: bool = False  # outlasted --checkpoint-timeout-s: the storage stopped answering (StorageStalled)
     peer_lost: bool = False  # the ranks could not exchange the save's reports: a rank gone (PeerLost, exit 200)
 
+    @classmethod
+    def of(cls, error: CheckpointError) -> SaveFailure:
+        """A CheckpointError as every rank is told of it: its words, and whether a retry may fix it."""
+        return cls(str(error), is_transient(error))
+
+    def error(self, message: str | None = None) -> CheckpointError:
+        """The error to raise for it: StorageUnavailable (exit 200) where a retry may fix it, else CheckpointError
+        (exit 2). ``message``: other words than its own (another rank's view of it)."""
+        return (StorageUnavailable if self.transient else CheckpointError)(self.message if message is None else message)
+
 
 def is_transient(error: BaseException) -> bool:
     """Whether a retry of the save may succeed where this error stopped it."""
@@ -67,12 +77,7 @@ def is_transient(error: BaseException) -> bool:
         return True
     if isinstance(error, OSError) and error.errno is not None:
         return error.errno not in PERMANENT_ERRNOS
-    return is_transient_type_name(*(kind.__name__ for kind in type(error).__mro__))
-
-
-def is_transient_type_name(*names: str) -> bool:
-    """For an error known by its type's name (and its bases') only: a connection's or a timeout's."""
-    return any(name in TRANSIENT_TYPE_NAMES for name in names)
+    return any(kind.__name__ in TRANSIENT_TYPE_NAMES for kind in type(error).__mro__)
 
 
 def _error_code(error: BaseException | None) -> str | None:

@@ -37,10 +37,10 @@ class SaveOutcomes:
         """Every rank learns how the save of ``step`` ended, from rank 0 (``last_said``, rank 0's: the checkpoint a
         restart would resume from, in words); True if it committed. Failed on an error a retry cannot fix:
         CheckpointError (exit 2); stalled past --checkpoint-timeout-s: StorageStalled (exit 200); the ranks' reports
-        lost: PeerLost (exit 200). Failed on a
-        storage error a retry may fix: a periodic save is one warning on every rank and training goes on, up to
-        --max-failed-saves in a row (then StorageUnavailable, exit 200, naming the last committed checkpoint); a
-        final save raises SaveRetry while rank 0's deadline leaves time for another try."""
+        lost: PeerLost (exit 200). Failed on a storage error a retry may fix: a periodic save is one warning on every
+        rank and training goes on, up to --max-failed-saves in a row (then StorageUnavailable, exit 200, naming the
+        last committed checkpoint); a final save raises SaveRetry while rank 0's deadline leaves time for another
+        try."""
         self.runtime.wait_for_all("rank 0's checkpoint work")
         retry_s = None
         if self.runtime.is_main and failure is not None and failure.transient and self.final_deadline is not None:

@@ -169,7 +169,7 @@ class CheckpointWriter:
         """A write's error as every rank is told of it: a CheckpointError says itself; a storage client's own error
         (botocore's, aiohttp's) is named with its words; anything else is a bug or a state that cannot be saved."""
         if isinstance(problem, CheckpointError):
-            return SaveFailure(str(problem), is_transient(problem))
+            return SaveFailure.of(problem)
         if is_transient(problem):
             return SaveFailure(redact(f"could not write checkpoint {self.storage.describe(name)}: {described(problem)}"
                                       f". The previous checkpoints are untouched", self.storage.location), True)
