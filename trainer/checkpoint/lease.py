@@ -76,8 +76,8 @@ class CheckpointLease:
         self.max_failed_attempts = max_failed_attempts
         self.attempt = Attempt(restart_count=restart_count)
         self.previous: Attempt | None = None
-        self._final: Holder | None = None  # the record _end writes: a renewal that ends later writes it again
-        self._stop = threading.Event()
+        # The record _end writes, once it ends the lease (renewals stop then; one still under way writes it again).
+        self._final: Holder | None = None
         self._wake = threading.Event()  # the renewer writes the record now rather than at its next period
         self._renewer: threading.Thread | None = None
 
@@ -159,10 +159,9 @@ class CheckpointLease:
         with no limit begins the count again."""
         self.attempt.start_step = step
         failed = failures_before(self.previous, step, self.attempt.restart_count)
-        # Refused, this attempt's own record carries the count on (its exit 2 neither adds to it nor ends it).
-        self.attempt.failed_in_a_row = failed
         if self.max_failed_attempts and failed >= self.max_failed_attempts:
             assert self.previous is not None
+            self.attempt.failed_in_a_row = failed  # its own record carries the count on: its exit 2 ends nothing
             raise CheckpointError(refusal(self.storage.describe(), self.job, self.previous, failed,
                                           self.max_failed_attempts))
         self.attempt.failed_in_a_row = failed if self.max_failed_attempts else 0
@@ -312,7 +311,7 @@ class CheckpointLease:
         while True:
             self._wake.wait(self.expires_after_s / 4)
             self._wake.clear()
-            if self._stop.is_set():
+            if self._final is not None:
                 return
             try:
                 generation = self.generation
@@ -341,7 +340,6 @@ class CheckpointLease:
     def _end(self, last: Holder, done: str) -> None:
         """Stop renewing, then write this holder's last record (kept or released), unless the lease was lost."""
         self._final = last
-        self._stop.set()
         self._wake.set()
         if self._renewer is not None:
             # A renewal stuck in a hung storage call would hold this forever: the last record is tried regardless
