@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -328,19 +327,15 @@ class CheckpointManager:
     def close(self, ending: str = FINISHED, exit_code: int = -1, failure: str = "") -> None:
         """End the folder's lease (on rank 0; local, no collective; ``release_lease``): the next job may start at
         once. ``ending``: how the run ended (FINISHED, STOPPED by a signal, FAILED)."""
-        writer = self.writer
-        if writer.stalled:  # the storage does not answer: neither the write nor a release would end
+        if not self.writer.stalled:
+            # A save still being written belongs to this job's time in the folder, up to its deadline; past it,
+            # the write is given up (CheckpointWriter._why_no_longer) and the lease released as after any stall.
+            unsettled = self.writer.wait()
+            if unsettled is not None and unsettled.stalled:
+                self.log.warning("%s", unsettled.message)
+        if self.writer.stalled:  # the storage does not answer: neither the write nor a release would end
             self.release_lease_within(RELEASE_AFTER_STALL_S, ending, exit_code, failure)
             return
-        if writer.thread is not None:
-            # A save still being written belongs to this job's time in the folder, up to its deadline; past it,
-            # the write is given up (_why_no_longer) and the lease released as after any stall.
-            writer.thread.join(max(0.0, writer.deadline - time.monotonic()))
-            if writer.thread.is_alive():
-                writer.stalled = True
-                self.log.warning("%s", writer.stalled_message(writer.name))
-                self.release_lease_within(RELEASE_AFTER_STALL_S, ending, exit_code, failure)
-                return
         # A storage that hangs now must not keep a finished job alive.
         self.release_lease_within(RELEASE_S, ending, exit_code, failure)
 
