@@ -9,7 +9,7 @@ NPROC ?= 2
 EPOCHS ?= 3
 TRAIN_ARGS ?=
 
-.PHONY: help venv data train example test test-fast gpu-check lint doctor clean torchx-test
+.PHONY: help venv azurite data train example test test-fast gpu-check lint doctor clean torchx-test
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
@@ -43,11 +43,20 @@ example: venv ## the worked example (examples/forecast): $(NPROC) CPU ranks trai
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(NPROC) \
 	  -m trainer --task forecast:Forecast --epochs 4 --batch-size 64 --lr 3e-3 --output-dir runs/example $(TRAIN_ARGS)
 
-test: venv ## lint, then the whole test suite (Docker tests run where an engine answers; .ci/run starts one)
+# Azurite, Microsoft's Azure Blob Storage emulator (npm), which the checkpoint tests on az:// URLs start on loopback
+# (devtools/azurite.py). 3.35.0: the last release that runs on Node.js before 21 (Debian 12 ships 18).
+AZURITE_VERSION := 3.35.0
+AZURITE := $(VENV)/azurite/node_modules/.bin/azurite-blob
+$(AZURITE):
+	npm install --quiet --no-audit --no-fund --no-save --prefix $(VENV)/azurite azurite@$(AZURITE_VERSION)
+
+azurite: $(AZURITE) ## install Azurite (npm) for the tests of checkpoints in Azure Blob Storage
+
+test: venv azurite ## lint, then the whole test suite (Docker tests run where an engine answers; .ci/run starts one)
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q -ra $(PYTEST_ARGS)
 
-test-fast: venv ## lint and the quick tests (unit tests and the launchers' file checks; under a minute)
+test-fast: venv azurite ## lint and the quick tests (unit tests and the launchers' file checks; under a minute)
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q -ra -m "not slow and not docker and not gpu" $(PYTEST_ARGS)
 
@@ -88,8 +97,33 @@ clean: ## remove runs and caches (not the venv)
 # Kubernetes (k8s/): offline checks here; a kind cluster on a machine with Docker and a registry.
 .PHONY: ray-test
 ray-test: venv ## ddp-train-ray on a real local Ray cluster: a worker, a node and the driver lost, every sample once
-	$(BIN)/pytest -q -ra tests/unit/test_on_ray.py tests/unit/launchers/test_ray_train.py tests/deploy/test_ray.py \
+	$(BIN)/pytest -q -ra tests/unit/test_on_ray.py tests/unit/test_on_ray_drain.py tests/unit/launchers/test_ray_train.py tests/deploy/test_ray.py \
 	  tests/deploy/test_k8s_rayjob.py $(PYTEST_ARGS)
+
+# The oldest Ray the `ray` extra admits (trainer/on_ray/ray_internals.py SUPPORTED_RAY), in a venv of its own above
+# the dev venv: that venv's packages beneath its own (a .pth), Ray's oldest release and what it needs installed
+# here, from the extra's own requirement, so the job server comes as a user's install brings it.
+RAY_OLDEST := 2.58.0
+RAY_OLDEST_VENV := $(VENV)/ray-oldest
+# Stamped only once its Ray is that release: a failed build is built again, never tested on another Ray.
+RAY_OLDEST_STAMP := $(RAY_OLDEST_VENV)/.ray-$(RAY_OLDEST)
+$(RAY_OLDEST_STAMP): $(BIN)/ddp-train
+	rm -rf $(RAY_OLDEST_VENV)
+	"$(PYTHON)" -m venv --without-pip $(RAY_OLDEST_VENV)
+	echo "import site; site.addsitedir('$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
+	  > "$$($(RAY_OLDEST_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/dev-venv.pth"
+	$(BIN)/pip --python $(RAY_OLDEST_VENV)/bin/python install --quiet --ignore-installed --no-deps ray==$(RAY_OLDEST)
+	$(BIN)/pip --python $(RAY_OLDEST_VENV)/bin/python install --quiet 'ray[default,train]==$(RAY_OLDEST)'
+	$(BIN)/pip --python $(RAY_OLDEST_VENV)/bin/python install --quiet --no-deps --no-build-isolation -e .
+	$(RAY_OLDEST_VENV)/bin/python -c 'import ray; assert ray.__version__ == "$(RAY_OLDEST)", ray.__version__'
+	@touch $@
+
+.PHONY: ray-oldest-test
+ray-oldest-test: $(RAY_OLDEST_STAMP) ## ddp-train-ray's unit tests and a `ray job submit` run on Ray's oldest supported release
+	$(RAY_OLDEST_VENV)/bin/python -c 'import ray; from trainer.on_ray.ray_internals import SUPPORTED_RAY; \
+	  assert ray.__version__ == SUPPORTED_RAY[0] == "$(RAY_OLDEST)", (ray.__version__, SUPPORTED_RAY)'
+	$(RAY_OLDEST_VENV)/bin/python -m pytest -q -ra tests/unit/test_on_ray.py tests/unit/test_on_ray_drain.py tests/unit/launchers/test_ray_train.py \
+	  tests/deploy/test_ray.py -k "not loses_a_worker" $(PYTEST_ARGS)
 
 .PHONY: k8s-validate k8s-test k8s-image kind-up kind-test kind-down
 

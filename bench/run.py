@@ -31,10 +31,12 @@ from bench.figures import (
     object_store,
     overhead,
     peers,
+    preemption,
     ray_overhead,
     scaling,
     sharded,
     sharded_checkpoints,
+    slow_rank,
     streamed_shards,
     sync_bn,
     sync_methods,
@@ -44,6 +46,7 @@ from bench.harness.context import Context
 from bench.harness.measure import describe_machine, load_average
 from bench.harness.plots import make_plots
 from bench.harness.results import FigureResult, markdown_table, read_json, write_json, write_markdown
+from devtools.s3_server import ServerDied
 from trainer.errors import described
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -66,6 +69,8 @@ FIGURES: dict[str, tuple[str, Callable[[Context], FigureResult]]] = {
     "object-store": (object_store.TITLE, object_store.run),
     "ray": (ray_overhead.TITLE, ray_overhead.run),
     "shards": (streamed_shards.TITLE, streamed_shards.run),
+    "preemption": (preemption.TITLE, preemption.run),
+    "slow-rank": (slow_rank.TITLE, slow_rank.run),
 }
 
 
@@ -119,12 +124,23 @@ def run_suite(suite: Suite, argv: Sequence[str] | None = None) -> int:
             title, measure = suite.figures[key]
             print(f"[bench] figure {number}: {title} ...", flush=True)
             figure_started = time.perf_counter()
+            retried_after = None
             try:
-                result = measure(ctx)
+                try:
+                    result = measure(ctx)
+                except ServerDied as died:
+                    # A loopback server the figure relies on stopped under it: the machine's fault, not the
+                    # figure's. Measured once more from the start, and the first failure kept in the results.
+                    traceback.print_exc()
+                    retried_after = described(died)[:300]
+                    print(f"[bench] figure {number}: its server died; measuring it once more", flush=True)
+                    result = measure(ctx)
             except Exception as error:  # one figure's failure must not lose the others' results
                 traceback.print_exc()
                 result = FigureResult.failed(number, key, title, described(error)[:300])
                 failed = True
+            if retried_after is not None:
+                result.details["retried_after"] = retried_after
             result.details["duration_s"] = round(time.perf_counter() - figure_started, 1)
             print(f"[bench] figure {number} done in {result.details['duration_s']:.0f} s", flush=True)
             figures[key] = result

@@ -34,10 +34,12 @@ ISOLATED = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 class RayCluster:
     """``with RayCluster() as cluster: cluster.add_node("a")``; ``cluster.address`` is the GCS address."""
 
-    def __init__(self, cpus_per_node: int = 1) -> None:
+    def __init__(self, cpus_per_node: int = 1, dashboard: bool = False) -> None:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.cpus_per_node = cpus_per_node
+        # The head's dashboard, and in it the job server that `ray job submit` talks to (ray[default]).
+        self.dashboard_port = free_port() if dashboard else None
         # Short: Ray's sockets live under it, and a socket path may be at most 107 bytes.
         self.temp_dir = Path(tempfile.mkdtemp(prefix="ddpray-", dir="/tmp"))
         self.mark = f"ray-{self.port}"
@@ -45,7 +47,10 @@ class RayCluster:
 
     def __enter__(self) -> RayCluster:
         try:
-            self._ray_start("head", ["--head", f"--port={self.port}", "--num-cpus=0", "--include-dashboard=false",
+            dashboard = (["--include-dashboard=true", "--dashboard-host=127.0.0.1",
+                          f"--dashboard-port={self.dashboard_port}"] if self.dashboard_port else
+                         ["--include-dashboard=false"])
+            self._ray_start("head", ["--head", f"--port={self.port}", "--num-cpus=0", *dashboard,
                                      "--disable-usage-stats", f"--temp-dir={self.temp_dir}",
                                      f"--system-config={json.dumps(FAST_HEALTH_CHECKS)}"])
         except BaseException:
@@ -60,13 +65,41 @@ class RayCluster:
         """What a driver needs to reach this cluster (and nothing of another)."""
         return {"RAY_ADDRESS": self.address, **ISOLATED}
 
-    def add_node(self, name: str) -> None:
-        """A worker node of ``cpus_per_node`` CPUs; returns once it is up."""
-        self._ray_start(name, [f"--address={self.address}", f"--num-cpus={self.cpus_per_node}"])
+    @property
+    def dashboard_address(self) -> str:
+        """The job server's address, for ``ray job submit --address`` (RAY_API_SERVER_ADDRESS)."""
+        assert self.dashboard_port, "RayCluster(dashboard=True) has the job server"
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def add_node(self, name: str, hidden: Path | None = None) -> None:
+        """A worker node of ``cpus_per_node`` CPUs; returns once it is up. ``hidden``: a folder this node sees
+        empty (a tmpfs over it, in a mount namespace of the node's own): a folder the other nodes share and it
+        does not, as a node without the shared mount (root only)."""
+        self._ray_start(name, [f"--address={self.address}", f"--num-cpus={self.cpus_per_node}"], hidden)
 
     def lose_node(self, name: str) -> None:
         """The node and every process it started, killed at once: a machine that dies."""
         _kill(_processes(self.nodes.pop(name)))
+
+    def node_id(self, name: str) -> str:
+        """The node's id as Ray names it (hex): from its raylet's command line, which ``ray start`` gives it."""
+        for pid in marked(self.nodes[name]):
+            with contextlib.suppress(OSError):
+                for arg in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+                    if arg.startswith(b"--node_id="):
+                        return arg.partition(b"=")[2].decode()
+        raise RuntimeError(f"node {name}: no raylet with a --node_id among its processes")
+
+    def drain_node(self, name: str, deadline_s: int) -> None:
+        """``ray drain-node`` as a cloud's reclaim of a spot instance asks for one: for preemption, the node gone in
+        ``deadline_s``. Ray only marks it draining (nothing new is placed there); it stays up until lost."""
+        result = subprocess.run([str(BIN_DIR / "ray"), "drain-node", f"--address={self.address}",
+                                 f"--node-id={self.node_id(name)}", "--reason=DRAIN_NODE_REASON_PREEMPTION",
+                                 "--reason-message=spot instance reclaimed (a test's drain)",
+                                 f"--deadline-remaining-seconds={deadline_s}"],
+                                env=clean_env(ISOLATED), capture_output=True, text=True, timeout=60)
+        if result.returncode != 0:
+            raise RuntimeError(f"ray drain-node ({name}) failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
 
     def worker_pids(self, name: str, title: bytes = b"ray::RayTrainWorker") -> list[int]:
         """The node's worker processes whose title starts with ``title`` (Ray Train's workers, by default), less
@@ -83,13 +116,23 @@ class RayCluster:
         self.nodes.clear()
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
-    def _ray_start(self, name: str, options: list[str]) -> None:
+    def _ray_start(self, name: str, options: list[str], hidden: Path | None = None) -> None:
         mark = self.mark if name == "head" else f"{self.mark}-{name}"
         env = clean_env({"DDP_DEVTOOLS_MARK": mark, **ISOLATED})
         env.pop("RAY_ADDRESS", None)
+        # Each node's agents on ports of their own: several nodes share this machine. (Not loopback only: Ray turns
+        # 127.0.0.1 into the machine's address, services.resolve_ip_for_localhost, and its GCS and raylets listen on
+        # every address whatever --node-ip-address says; seen with `ss -ltnp`.)
+        options = [*options, f"--dashboard-agent-listen-port={free_port()}",
+                   f"--dashboard-agent-grpc-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+                   f"--metrics-export-port={free_port()}"]
+        command = [str(BIN_DIR / "ray"), "start", *options]
+        if hidden is not None:
+            # The node's processes (ray start's raylet and all it starts) inherit the namespace and its tmpfs.
+            command = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                       'mount -t tmpfs tmpfs "$0" && exec "$@"', str(hidden), *command]
         started = time.monotonic()
-        result = subprocess.run([str(BIN_DIR / "ray"), "start", *options], env=env, capture_output=True, text=True,
-                                timeout=120, cwd=os.getcwd())
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, cwd=os.getcwd())
         if result.returncode != 0:
             raise RuntimeError(f"ray start ({name}) failed after {time.monotonic() - started:.1f}s:\n"
                                f"{result.stdout[-2000:]}\n{result.stderr[-2000:]}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import tempfile
 import uuid
@@ -15,6 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from devtools.processes import BIN_DIR, REPO_ROOT, clean_env, free_port, kill_session, wait_until_answers
+
+
+class ServerDied(RuntimeError):
+    """The S3 server stopped while a test or figure used it: the failure seen is the server's, not the caller's."""
 
 
 @dataclass
@@ -53,6 +58,24 @@ class S3Server:
             os.kill(self.process.pid, signal.SIGCONT)
 
 
+def still_serving(process: subprocess.Popen[bytes], port: int, exit_wait_s: float = 10) -> bool:
+    """Whether the server ``process`` still listens on ``port``. Its exit code alone misses a server on its way
+    out: werkzeug closes the listening socket first and the interpreter's exit follows (CI saw a refused
+    connection while the process was still there). A frozen server (``stopped``) still listens: the kernel
+    accepts for it."""
+    if process.poll() is None:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+            return True
+        except TimeoutError:
+            return True  # accepted by nobody in time, but not refused: a full backlog is a listening socket
+        except OSError:
+            pass  # refused: nothing listens there any more
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=exit_wait_s)  # for its exit code, if it is leaving
+    return False
+
+
 @contextlib.contextmanager
 def s3_server(timeout_s: float = 60) -> Iterator[S3Server]:
     port = free_port()
@@ -64,8 +87,17 @@ def s3_server(timeout_s: float = 60) -> Iterator[S3Server]:
                                    start_new_session=True)
     endpoint = f"http://127.0.0.1:{port}"
     try:
-        wait_until_answers(process, f"{endpoint}/moto-api/", "moto_server", timeout_s)
-        yield S3Server(process, endpoint, log)
+        wait_until_answers(process, f"{endpoint}/moto-api/", "moto_server", timeout_s,
+                           output=lambda: log.read_text(errors="replace"))
+        try:
+            yield S3Server(process, endpoint, log)
+        except BaseException as failure:
+            # A request refused because the server itself is gone reads like a client's fault: say it is not.
+            if not still_serving(process, port):
+                state = "still running" if process.poll() is None else f"exit code {process.returncode}"
+                raise ServerDied(f"moto_server on {endpoint} stopped listening while in use ({state}; its log "
+                                 f"ends: {log.read_text(errors='replace')[-1500:]!r})") from failure
+            raise
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(process.pid, signal.SIGCONT)

@@ -6,11 +6,16 @@ ships the source of ``ddp_train`` (below) to every node and starts it under torc
 the function writes the config and calls ``trainer.run``, so every flag, task and exit code is the trainer's.
 
     from kubeflow.trainer import TrainerClient
-    from kubeflow_sdk.trainjob import ddp_trainer
+    from kubeflow_sdk.trainjob import cluster_job
 
     client = TrainerClient()                                   # Kubernetes: the cluster of your kubeconfig
-    job = client.train(runtime="torch-distributed", trainer=ddp_trainer(["--epochs", "3"], num_nodes=2))
+    job = client.train(runtime="torch-distributed", **cluster_job("ddp-train", ["--epochs", "3"], num_nodes=2))
     client.wait_for_job_status(job)
+
+``cluster_job`` adds to ``ddp_trainer``'s what else of k8s/trainer-v2's TrainJob the SDK lets a caller set: the
+label, the deadline, the runtime patch (the pods' ServiceAccount, hardening, do-not-disrupt annotations, the
+shared claim), the run folder and the job's name for the lease. What it cannot set (the ServiceAccount and
+PodDisruptionBudget objects, the grace period) is in docs/kubernetes.md, "From Python: Kubeflow Trainer's SDK".
 
 The same job runs on one machine with the SDK's container backend (Docker or Podman), a container per node
 on a network of its own: ``TrainerClient(backend_config=ContainerBackendConfig())``. Its local-process backend
@@ -23,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["DEFAULT_IMAGE", "ddp_train", "ddp_trainer"]
+__all__ = ["DEFAULT_IMAGE", "cluster_job", "ddp_train", "ddp_trainer"]
 
 DEFAULT_IMAGE = "ddp-deploy"  # k8s/trainer-v2's placeholder; `make k8s-image` and --image name the real one
 
@@ -66,3 +71,52 @@ def ddp_trainer(argv: Sequence[str] = (), *, config_yaml: str = "", task: str = 
     variables = {"HOME": "/tmp", "OMP_NUM_THREADS": str(cpu), **(env or {})}
     return CustomTrainer(func=ddp_train, func_args={"argv": list(argv), "config_yaml": config_yaml, "task": task},
                          image=image, num_nodes=num_nodes, resources_per_node=resources, env=variables)
+
+
+# k8s/trainer-v2/trainjob.yaml's, where the SDK has a field for them (tests/deploy/test_kubeflow_sdk.py compares).
+LABELS = {"app.kubernetes.io/name": "ddp-deploy"}
+POD_ANNOTATIONS = {
+    "sidecar.istio.io/inject": "false",
+    # No scale-down or consolidation of the node under a running job: one lost pod stops every rank.
+    "cluster-autoscaler.kubernetes.io/safe-to-evict": "false",
+    "karpenter.sh/do-not-disrupt": "true",
+}
+POD_SECURITY = {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+                "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                      "capabilities": {"drop": ["ALL"]}}
+
+
+def cluster_job(name: str, argv: Sequence[str] = (), *, namespace: str = "default", deadline_s: int = 86400,
+                service_account: str = "ddp-train", claim: str = "ddp-deploy-storage",
+                **trainer_settings: Any) -> dict[str, Any]:
+    """``TrainerClient().train(runtime="torch-distributed", **cluster_job(NAME, argv, ...))`` on Kubernetes: the job
+    named NAME in ``namespace`` (the client's), made the TrainJob of k8s/trainer-v2 as far as the SDK allows. Its
+    label and deadline; its runtime patch: the pods' ServiceAccount, hardening, do-not-disrupt annotations and the
+    shared claim; its run folder /mnt/ddp/NAME and its name for the lease. ``service_account`` and ``claim``:
+    k8s/base's ServiceAccount and k8s/storage's claim, which must exist (the SDK makes no object but the TrainJob).
+    ``trainer_settings``: ddp_trainer's."""
+    from kubeflow.trainer import options as sdk
+
+    # The name is given, not read from the pod as the manifest's fieldRef does: Trainer's webhook refuses env in a
+    # runtime patch, and the SDK's trainer env holds plain values only.
+    job_env = {"DDP_JOB_NAMESPACE": namespace, "DDP_JOB_NAME": name, "DDP_JOB_ID": f"trainjob/{namespace}/{name}"}
+    env = {**job_env, **(trainer_settings.pop("env", None) or {})}
+    # First, so that an --output-dir of argv's wins.
+    trainer = ddp_trainer(["--output-dir", f"/mnt/ddp/{name}", *argv], env=env, **trainer_settings)
+    volumes = [{"name": "storage", "persistentVolumeClaim": {"claimName": claim}},
+               {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
+               {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+               # The SDK writes the function's file into the working folder, on a read-only root file system.
+               {"name": "workspace", "emptyDir": {"sizeLimit": "64Mi"}}]
+    mounts = [{"name": "storage", "mountPath": "/mnt/ddp"}, {"name": "dshm", "mountPath": "/dev/shm"},
+              {"name": "tmp", "mountPath": "/tmp"}, {"name": "workspace", "mountPath": "/workspace"}]
+    node = sdk.ContainerPatch(name="node", volume_mounts=mounts, security_context=CONTAINER_SECURITY)
+    pod_spec = sdk.PodSpecPatch(service_account_name=service_account, security_context=POD_SECURITY,
+                                containers=[node], volumes=volumes)
+    pod = sdk.PodTemplatePatch(metadata={"annotations": POD_ANNOTATIONS}, spec=pod_spec)
+    nodes = sdk.ReplicatedJobPatch(name="node", template=sdk.JobTemplatePatch(spec=sdk.JobSpecPatch(template=pod)))
+    patch = sdk.RuntimePatch(training_runtime_spec=sdk.TrainingRuntimeSpecPatch(
+        template=sdk.JobSetTemplatePatch(spec=sdk.JobSetSpecPatch(replicated_jobs=[nodes]))))
+    options = [sdk.Name(name=name), sdk.Labels(labels=LABELS), sdk.ActiveDeadlineSeconds(seconds=deadline_s), patch]
+    return {"trainer": trainer, "options": options}

@@ -14,8 +14,10 @@ import pytest
 
 INTEGRATION = Path(__file__).resolve().parent / "integration"
 # Fixtures shared by several folders: mount_point (tmpfs mounts for full and read-only disks), s3 and s3_env
-# (a real S3-compatible server on loopback), s3_faults (a proxy in front of it that fails chosen requests).
-pytest_plugins = ["tests.support.mounts", "tests.support.s3_server", "tests.support.s3_faults"]
+# (a real S3-compatible server on loopback), s3_faults (a proxy in front of it that fails chosen requests), azure and
+# azure_env (Azurite, a real Azure Blob Storage server on loopback).
+pytest_plugins = ["tests.support.mounts", "tests.support.s3_server", "tests.support.s3_faults",
+                  "tests.support.azure_server"]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -32,6 +32,7 @@ from trainer.checkpoint import CheckpointManager, Committed, Monitor
 from trainer.checkpoint.manager import FAILED, FINISHED, STOPPED
 from trainer.cli import dump_yaml, layout, parse_config
 from trainer.config import Config
+from trainer.cuda_driver import driver_check, working_cuda_warning
 from trainer.distributed import (
     Runtime,
     agreed,
@@ -58,15 +59,17 @@ from trainer.errors import (
 )
 from trainer.flight_recorder import apply_recorder_environment, dump_flight_recorder, reading_advice
 from trainer.gpu import apply_nccl_environment, checkpoint_layout, nccl_timeout_advice, peak_memory
-from trainer.launchers import identity_from_env
+from trainer.launchers import StatusServer, identity_from_env, status_server_from_env
 from trainer.liveness import PROGRESS_GRACE_S
 from trainer.loop import Trainer
-from trainer.preemption import FORCED_EXIT_CLEANUP_S, PreemptionWatcher
+from trainer.preemption import FORCED_EXIT_CLEANUP_S, PreemptionWatcher, StopRequests
+from trainer.prometheus import MetricsEndpoint
 from trainer.redact import redact, redacted
 from trainer.report import final_line, seconds_since_process_start, setup_logging, write_summary, writing
 from trainer.resume import check_resume
 from trainer.task import RunTask
 from trainer.tracking import CheckpointFiles, Tracking
+from trainer.trainjob_progress import Plan, TrainJobProgress
 
 __all__ = ["checkpoint_written", "run", "train"]
 
@@ -88,13 +91,16 @@ TIMED_OUT = re.compile(r"Timed out waiting|Watchdog caught collective operation 
 
 
 def run(task: str | type | None = None, argv: Sequence[str] | None = None, *,
-        on_commit: Callable[[Committed], None] | None = None, **settings: Any) -> int:
+        on_commit: Callable[[Committed], None] | None = None, stop_requests: StopRequests | None = None,
+        **settings: Any) -> int:
     """Train ``task`` (a task class, a built-in's name or ``package.module:Class``; None: from --task).
 
     ``settings`` are config values as in the YAML file (``epochs=5``, ``optim={"lr": 0.01}``, a task's
     options): the script's defaults, which a --config file and then the command line (``argv``, default
     sys.argv[1:]) override. ``on_commit``: a launcher's hook, called on every rank at the same point once every
-    rank knows a checkpoint committed (trainer.on_ray reports it to Ray Train). Returns the exit code.
+    rank knows a checkpoint committed (trainer.on_ray reports it to Ray Train). ``stop_requests``: where a launcher
+    asks for a stop as SIGTERM does, from any thread (trainer.on_ray.drain: the worker's node drains): a checkpoint
+    at the next step and EXIT_PREEMPTED. Returns the exit code.
     """
     rank = os.environ.get("RANK", "0")
     prog = Path(sys.argv[0]).name if task is not None else "ddp-train"
@@ -110,7 +116,7 @@ def run(task: str | type | None = None, argv: Sequence[str] | None = None, *,
             if choose_backend(config.dist, device) == "nccl":
                 apply_nccl_environment(os.environ)
         with process_group(config.dist, identity, device) as runtime:
-            train(config, chosen, runtime, on_commit)
+            train(config, chosen, runtime, on_commit, status_server_from_env(os.environ), stop_requests)
         return EXIT_OK
     except UserError as error:
         retry = (f"; exiting with {EXIT_PEER_LOST} so the launcher restarts the job from its last checkpoint"
@@ -175,8 +181,8 @@ def write_config(output_dir: Path, shown_config: str) -> None:
 
 
 def _prepare_and_fit(config: Config, task: RunTask, runtime: Runtime, checkpoints: CheckpointManager,
-                     watcher: PreemptionWatcher, log: logging.Logger, shown_config: str, tracking: Tracking
-                     ) -> tuple[dict[str, float], Trainer]:
+                     watcher: PreemptionWatcher, log: logging.Logger, shown_config: str, tracking: Tracking,
+                     progress: TrainJobProgress, endpoint: MetricsEndpoint) -> tuple[dict[str, float], Trainer]:
     checkpoints.prepare()
     # The checkpoint is read, and its fit to this run checked, before the data and model are built.
     timing = ResumeTiming(seconds_since_process_start())
@@ -187,7 +193,7 @@ def _prepare_and_fit(config: Config, task: RunTask, runtime: Runtime, checkpoint
             log.info("resuming with a change: %s", change)
     setup = build_training(config, task, runtime,
                            None if loaded is None else checkpoint_layout(loaded.state.model))
-    trainer = Trainer(config, runtime, setup, checkpoints, watcher, log, tracking)
+    trainer = Trainer(config, runtime, setup, checkpoints, watcher, log, tracking, progress, endpoint)
     timing.lap("build_s")
     try:
         if loaded is not None:
@@ -195,6 +201,7 @@ def _prepare_and_fit(config: Config, task: RunTask, runtime: Runtime, checkpoint
             agreed(runtime, lambda: trainer.restore(loaded), CheckpointError)
             timing.lap("restore_s")
             trainer.record_resume(timing.values())
+            endpoint.checkpoint_resumed(trainer.position, loaded.manifest.get("created_unix"))
             if config.checkpoint.init_from and runtime.is_main:
                 log.info("--init-from is for a fresh start: this run resumes from %s instead", loaded.location)
         elif config.checkpoint.init_from:
@@ -205,14 +212,18 @@ def _prepare_and_fit(config: Config, task: RunTask, runtime: Runtime, checkpoint
         # After the restore: a resumed run continues its tracker runs (their ids are in the checkpoint).
         resumed_at = trainer.position.step if loaded is not None else None
         agreed(runtime, lambda: tracking.start(redacted(layout(config, task)), resumed_at), TrackerError)
+        plan = Plan(setup.schedule.total_samples, config.train.epochs, config.train.max_steps)
+        progress.watch(trainer.position, plan, resumed_at)
         return trainer.fit(), trainer
     finally:
         trainer.close()
 
 
-def train(config: Config, task: RunTask, runtime: Runtime,
-          on_commit: Callable[[Committed], None] | None = None) -> dict[str, object]:
-    """One training run in a joined group: returns (and rank 0 writes) the summary."""
+def train(config: Config, task: RunTask, runtime: Runtime, on_commit: Callable[[Committed], None] | None = None,
+          status_server: StatusServer | None = None, stop_requests: StopRequests | None = None
+          ) -> dict[str, object]:
+    """One training run in a joined group: returns (and rank 0 writes) the summary. ``status_server``: the
+    TrainJob's, where rank 0 reports the progress (trainer.trainjob_progress)."""
     log = setup_logging(runtime.identity)
     started = time.perf_counter()
     output_dir = Path(config.output.output_dir)
@@ -221,27 +232,45 @@ def train(config: Config, task: RunTask, runtime: Runtime,
         log.info("config:\n%s", shown_config.rstrip())
     log.info("%s; device %s, backend %s, %d threads; task %s", runtime.identity.describe(), runtime.device,
              runtime.backend, torch.get_num_threads(), task.describe())
+    old_driver = working_cuda_warning(driver_check()) if runtime.device.type == "cuda" else None
+    if old_driver is not None:
+        log.warning("%s", old_driver)
 
-    watcher = PreemptionWatcher(config.checkpoint.grace_period_s, runtime, log)
+    watcher = PreemptionWatcher(config.checkpoint.grace_period_s, runtime, log, stop_requests)
     watcher.install()  # before the slow parts, so an early SIGTERM is not lost
     checkpoints = CheckpointManager(config.checkpoint, config.checkpoint_location, runtime, log, Monitor(*task.monitor))
-    checkpoints.on_commit = on_commit
+    endpoint = MetricsEndpoint(config.output, runtime.identity)
+
+    def committed(saved: Committed) -> None:
+        # Rank 0 wrote it; its timing is that write's until the next save is launched, after this.
+        endpoint.checkpoint_committed(saved.step, saved.created_unix,
+                                      checkpoints.last_timing.write_s if runtime.is_main else None)
+        if on_commit is not None:
+            on_commit(saved)
+
+    # Only where something listens: telling of a commit costs every rank a broadcast of its time
+    # (CheckpointManager._settle), which a run without --metrics-port or a launcher's hook need not pay.
+    if endpoint.enabled or on_commit is not None:
+        checkpoints.on_commit = committed
     watcher.before_forced_exit = lambda: checkpoints.release_lease(STOPPED)
     if runtime.liveness is not None:
         runtime.liveness.watch_progress(config.dist.collective_timeout_s + PROGRESS_GRACE_S,
                                         lambda diagnosis: _exit_stuck(runtime, diagnosis, checkpoints))
     tracking = Tracking(config.tracking, output_dir, runtime.is_main, log)
-    # Ends the tracker runs as the training ends: finished, preempted (within the grace period) or failed.
-    with tracking.run(end_by=watcher.exit_deadline):
+    progress = TrainJobProgress(status_server if runtime.is_main else None, log, runtime.identity.restart_count)
+    # Ends the tracker runs and the progress reports as the training ends: finished, preempted (within the grace
+    # period) or failed. The metrics endpoint (--metrics-port) serves from before the slow parts to the end.
+    with endpoint.serving(log), tracking.run(end_by=watcher.exit_deadline), \
+            progress.run(end_by=watcher.exit_deadline):
         ending = FAILED
         try:
             result, trainer = _prepare_and_fit(config, task, runtime, checkpoints, watcher, log, shown_config,
-                                               tracking)
+                                               tracking, progress, endpoint)
             ending = FINISHED
         except Preempted:
-            # This rank's own signal (a membership change, or the launcher's end); stopped by another rank's, it
-            # exits as its launcher counts a failure (CheckpointManager.release_lease).
-            ending = STOPPED if watcher.signal_received is not None else FAILED
+            # This rank's own signal or request (a membership change, the launcher's end, its node drained);
+            # stopped by another rank's, it exits as its launcher counts a failure (CheckpointManager.release_lease).
+            ending = STOPPED if watcher.asked_here else FAILED
             raise
         except RuntimeError as error:
             if runtime.liveness is None or not TIMED_OUT.search(str(error)):
@@ -283,6 +312,7 @@ def _exit_of(error: BaseException | None) -> tuple[int, str]:
 def _summary(task: RunTask, result: dict[str, float], runtime: Runtime, trainer: Trainer, wall_time_s: float
              ) -> dict[str, Any]:
     """summary.json: the final evaluation, where training stands and how fast it went."""
+    samples_per_s = (trainer.position.samples_seen - trainer.samples_at_start) / wall_time_s
     return {
         "task": task.name,
         "test_metrics": result,
@@ -293,7 +323,9 @@ def _summary(task: RunTask, result: dict[str, float], runtime: Runtime, trainer:
         "epochs_completed": trainer.position.epoch,
         "resumed_from": None if trainer.resumed_from is None else redact(trainer.resumed_from),
         "wall_time_s": round(wall_time_s, 3),
-        "train_samples_per_s": round((trainer.position.samples_seen - trainer.samples_at_start) / wall_time_s, 1),
+        "train_samples_per_s": round(samples_per_s, 1),
+        # Over the same wall time: FLOPs per sample, FLOP/s per device and MFU, where known (trainer.throughput).
+        **trainer.setup.throughput.summary(samples_per_s),
     }
 
 

@@ -35,6 +35,7 @@ from trainer.schedule import LRSchedule
 from trainer.sharding import initialise_in_order, initialise_on_device, registration_order
 from trainer.syncbn import convert_sync_batchnorm
 from trainer.task import RunTask, TaskContext, TaskData, call_task, check_metrics, to_device
+from trainer.throughput import NOT_COUNTED, Throughput, count_flops, device_peak
 
 __all__ = ["evaluation_loader", "loader_workers", "state_parts", "training_loader"]
 
@@ -61,6 +62,7 @@ class TrainingSetup:
     device: torch.device
     tuning: DeviceTuning  # channels-last and cuDNN's autotuner (trainer.gpu)
     state: StateParts  # what a checkpoint saves of these; the loop adds where training stands
+    throughput: Throughput  # FLOPs per sample and the device's peak: the log's FLOP/s and MFU (trainer.throughput)
 
     def inputs_on_device(self, batch: Any) -> Any:
         """A batch's inputs as the model takes them: on the device (non-blocking copies from pinned memory),
@@ -224,6 +226,9 @@ def build_training(config: Config, task: RunTask, runtime: Runtime,
             log.info("GPU settings: %s, %s", tuning.describe(), tf32)
     seed_everything(seed + identity.rank)
 
+    # Rank 0 alone counts and reports the FLOPs (the same on every rank): no other rank waits on its count.
+    throughput = (_throughput(config, runtime, instance, model, train_loader, batch, data, tuning, sync)
+                  if identity.is_main else NOT_COUNTED)
     wrapped = agreed(runtime, lambda: sync.wrap(model), TaskError)
     if meta:
         with isolated():  # the weights a plain build draws right after seed_everything(seed)
@@ -247,7 +252,7 @@ def build_training(config: Config, task: RunTask, runtime: Runtime,
     scaler = torch.amp.GradScaler(device.type, enabled=config.optim.precision == "fp16")
     setup = TrainingSetup(task, instance, data, train_sampler, train_loader, eval_loader, wrapped, sync, optimizer,
                           schedule, scaler, config.optim.precision, device, tuning,
-                          state_parts(unwrap(wrapped), optimizer, scaler))
+                          state_parts(unwrap(wrapped), optimizer, scaler), throughput)
     if isinstance(train_sampler, ShardedDistributedSampler):
         setup.state.add(shard_order_part(train_sampler))
     # A metric that cannot be reduced, or a monitored one that does not exist, fails now, not at evaluation.
@@ -372,6 +377,27 @@ def _forward_fails(config: Config, model: nn.Module, tuning: DeviceTuning, loade
     finally:
         model.train()
     return None
+
+
+def _throughput(config: Config, runtime: Runtime, instance: Any, model: nn.Module, loader: DataLoader[Any], batch: int,
+                data: TaskData, tuning: DeviceTuning, sync: GradSync) -> Throughput:
+    """The model's FLOPs per sample, counted on a meta-device copy of it before the sync wraps it (a sharded
+    model's count is of its whole module). On a batch of the run's size made of the training set's first sample
+    (the one key every dataset, sharded ones too, can give before training: FLOPs depend on shapes only), prepared
+    on the device as training prepares it, then moved to the meta device."""
+    device, precision = runtime.device, config.optim.precision
+
+    def first_sample_batch() -> tuple[Any, Any]:
+        dataset = loader.dataset
+        assert isinstance(dataset, SeededItems)
+        inputs, targets = loader.collate_fn(dataset.__getitems__([dataset.probe_key()] * batch))
+        return inputs_on_device(inputs, device, data.on_device, tuning), to_device(targets, device)
+
+    flops = count_flops(model, first_sample_batch, instance.loss, lambda: autocast_for(precision, device))
+    peak = device_peak(device, precision, config.output.peak_tflops)
+    log.info("throughput: %s; %s", flops.said, peak.said)
+    gpus = torch.cuda.device_count() if sync.one_process and device.type == "cuda" else 1  # --sync dp's
+    return Throughput(flops.flops_per_sample, peak, runtime.identity.world_size * max(1, gpus))
 
 
 def _check_monitor(task: RunTask, metrics: dict[str, Any]) -> None:

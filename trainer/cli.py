@@ -60,8 +60,11 @@ def parse_config(argv: Sequence[str] | None = None, task: str | type | None = No
     _check_option_names(spec)
     underneath = config_from_values(spec, values)
     given = vars(build_parser(spec, prog, task_fixed=task is not None, underneath=underneath).parse_args(argv))
-    given.pop("config", None)
-    given.pop("task", None)
+    # The full parser takes a shortened --config or --task (--conf) as the flag; the pre-parser, which reads them,
+    # does not: such a file or task would be silently left out.
+    for flag in ("config", "task"):
+        if flag in given and given.pop(flag) != getattr(known, flag, given.get(flag)):
+            raise ConfigError(f"a shortened --{flag} flag is not read: write --{flag} in full")
     return config_from_values(spec, values, given)
 
 

@@ -232,9 +232,35 @@ class OutputConfig:
     memory_snapshot_on_oom: bool = option(False, "on CUDA, record the allocator's history from the start and write "
                                                  "it to OUTPUT_DIR/profiles/rank-R.oom.memory.pickle if the rank "
                                                  "runs out of memory (a little slower while on)")
+    peak_tflops: float = option(0.0, "one device's dense peak in TFLOP/s at this run's --precision (its datasheet's, "
+                                     "without sparsity), for the MFU in the log and summary (0: from the trainer's "
+                                     "table of GPUs, trainer/throughput.py; none for CPUs)")
+    slow_rank_every: int = option(10, "every N optimizer steps the ranks compare their data waits and forward times "
+                                      "(trainer/slow_rank.py); a rank slower than the others' median by "
+                                      "--slow-rank-ratio in 3 comparisons in a row is named in the log and "
+                                      "metrics.jsonl (0: off)")
+    slow_rank_ratio: float = option(1.4, "how many times the other ranks' median a rank's data wait or forward time "
+                                         "must be to count as slow (> 1; an even run's ranks drift apart by up to "
+                                         "1.3x on a machine shared with other work)")
+    metrics_port: int = option(0, "serve Prometheus metrics over HTTP (0: off): local rank 0 at --metrics-host:PORT, "
+                                  "with its node's other ranks, which listen on 127.0.0.1 at PORT + local rank "
+                                  "(docs/tracking.md)")
+    metrics_host: str = option("::", "the address local rank 0's metrics endpoint listens on (::: every IPv6 and "
+                                     "IPv4 address of this machine, or every IPv4 one, 0.0.0.0, where the kernel has "
+                                     "no IPv6; 0.0.0.0: every IPv4 one; 127.0.0.1: this machine only)")
 
     def __post_init__(self) -> None:
         check(self.log_every >= 1, "--log-every must be >= 1")
+        check(self.slow_rank_every >= 0, f"--slow-rank-every must be a number of steps >= 0 (0: off), "
+                                         f"got {self.slow_rank_every}")
+        check(math.isfinite(self.slow_rank_ratio) and self.slow_rank_ratio > 1,
+              f"--slow-rank-ratio must be a number > 1 (1.4: 40% slower than the others' median), "
+              f"got {self.slow_rank_ratio:g}")
+        check(math.isfinite(self.peak_tflops) and self.peak_tflops >= 0,
+              f"--peak-tflops must be a number of TFLOP/s >= 0 (0: from the table), got {self.peak_tflops:g}")
+        check(0 <= self.metrics_port <= 65535, f"--metrics-port {self.metrics_port}: a TCP port is 1-65535 (0: off)")
+        check(bool(self.metrics_host.strip()), "--metrics-host must be an address (::, the default: all of this "
+                                                "machine's)")
         check_choice(self.progress, "progress", ("auto", "on", "off"))
         self.profile_range  # noqa: B018 - validates the flag now
 

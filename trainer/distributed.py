@@ -14,6 +14,7 @@ from typing import NoReturn, TypeVar
 import torch
 import torch.distributed as dist
 
+from trainer import cuda_driver
 from trainer.config import DistConfig
 from trainer.cores import usable_cores
 from trainer.errors import DeviceError, RendezvousError, UserError, first_line
@@ -53,14 +54,24 @@ class Runtime:
         return self.identity.is_main
 
 
-def choose_device(config: DistConfig, identity: DistIdentity, cuda_count: int | None = None) -> torch.device:
-    """cuda:LOCAL_RANK when CUDA is present (never the global rank: it exceeds a node's GPUs), else cpu."""
-    available = torch.cuda.device_count() if cuda_count is None else cuda_count
-    wants_cuda = config.device == "cuda" or (config.device == "auto" and available > 0)
-    if not wants_cuda:
+def choose_device(config: DistConfig, identity: DistIdentity, cuda_count: int | None = None,
+                  node: cuda_driver.NodeSources | None = None) -> torch.device:
+    """cuda:LOCAL_RANK when CUDA is present (never the global rank: it exceeds a node's GPUs), else cpu.
+
+    Where CUDA counts no device, a driver too old for this torch's CUDA is named (trainer.cuda_driver)."""
+    node = node or cuda_driver.THIS_NODE
+    available = node.cuda_devices() if cuda_count is None else cuda_count
+    if config.device == "cpu":
         return torch.device("cpu")
     if available == 0:
-        raise DeviceError("--device cuda but this machine has no CUDA device; use --device cpu or auto")
+        check = cuda_driver.driver_check(node)
+        refusal = cuda_driver.no_device_refusal(config.device, check, node)
+        if refusal is not None:
+            raise DeviceError(refusal)
+        if config.device == "auto":
+            return torch.device("cpu")
+        raise DeviceError(f"--device cuda but this machine has no CUDA device: {check.describe()}; use --device "
+                          f"cpu or auto")
     if identity.may_hide_other_gpus and available == 1 < identity.local_world_size:
         # srun --gpus-per-task=1 (or --gpu-bind) shows each task its own GPU only, as device 0.
         return torch.device("cuda", 0)
@@ -134,19 +145,34 @@ def nccl_timeout_s(collective_timeout_s: float) -> float:
     return collective_timeout_s + max(NCCL_WATCHDOG_MARGIN_S, PROGRESS_GRACE_S * 3, 0.1 * collective_timeout_s)
 
 
-def init_process_group(config: DistConfig, identity: DistIdentity, device: torch.device) -> Runtime:
+def open_store(config: DistConfig, identity: DistIdentity) -> dist.Store:
+    """The key-value store the ranks of a group of more than one meet in, before the group: it needs no device, so
+    a rank that cannot have its device can still tell the others (trainer.doctor.driver)."""
+    if not identity.is_main:
+        # Rank 0 hosts the store on MASTER_PORT; the others wait for it to listen.
+        wait_for_master(identity.master_addr, identity.master_port, config.rendezvous_timeout_s)
+    return _store(identity, config)
+
+
+def init_process_group(config: DistConfig, identity: DistIdentity, device: torch.device,
+                       store: dist.Store | None = None) -> Runtime:
+    """``store``: open_store's, when the caller met the others there first."""
     backend = choose_backend(config, device)
     timeout = timedelta(seconds=config.collective_timeout_s)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        try:
+            torch.cuda.set_device(device)  # where CUDA starts
+        except RuntimeError as error:
+            refusal = cuda_driver.start_failure(error)
+            if refusal is None:
+                raise
+            raise DeviceError(refusal) from None
     if identity.world_size == 1:
         # One process needs no network: an in-memory store keeps every collective code path the same.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
-        if not identity.is_main:
-            # Rank 0 hosts the store on MASTER_PORT; the others wait for it to listen.
-            wait_for_master(identity.master_addr, identity.master_port, config.rendezvous_timeout_s)
-        store = _store(identity, config)
+        if store is None:
+            store = open_store(config, identity)
         watch = PeerWatch(store, identity)  # its address published before any rank can wait for it
         # NCCL's watchdog ends the process at its timeout with no word of which rank was late: it is placed
         # after the trainer's own diagnosis (the control group's gloo timeout, the progress watchdog).
@@ -228,8 +254,9 @@ def destroy_process_group() -> None:
 
 
 @contextmanager
-def process_group(config: DistConfig, identity: DistIdentity, device: torch.device) -> Iterator[Runtime]:
-    runtime = init_process_group(config, identity, device)
+def process_group(config: DistConfig, identity: DistIdentity, device: torch.device,
+                  store: dist.Store | None = None) -> Iterator[Runtime]:
+    runtime = init_process_group(config, identity, device, store)
     try:
         yield runtime
     finally:

@@ -32,18 +32,22 @@ from trainer.gradsync import broadcast_buffers, unwrap
 from trainer.position import TrainingPosition
 from trainer.preemption import PreemptionWatcher
 from trainer.profiling import StepProfiler, out_of_memory_message
+from trainer.prometheus import MetricsEndpoint
 from trainer.redact import redacted
 from trainer.report import MetricsWriter, ProgressDisplay
+from trainer.slow_rank import SlowRanks
 from trainer.task import call_task, to_device
 from trainer.timed_saves import TimedSaves
 from trainer.tracking import Tracking
+from trainer.trainjob_progress import TrainJobProgress
 
 Metrics = dict[str, float]
 
 
 class Trainer:
     def __init__(self, config: Config, runtime: Runtime, setup: TrainingSetup, checkpoints: CheckpointManager,
-                 watcher: PreemptionWatcher, log: logging.Logger, tracking: Tracking) -> None:
+                 watcher: PreemptionWatcher, log: logging.Logger, tracking: Tracking,
+                 trainjob_progress: TrainJobProgress, endpoint: MetricsEndpoint) -> None:
         self.config = config
         self.runtime = runtime
         self.setup = setup
@@ -57,6 +61,8 @@ class Trainer:
         add_run_parts(self.state, self.position, self.task_record, redacted(config.to_dict()))
         self.tracking = tracking
         self.state.add(tracking.state_part())
+        self.trainjob_progress = trainjob_progress
+        self.endpoint = endpoint  # Prometheus's (trainer.prometheus): numbers set, nothing waited for
         self.resumed_from: str | None = None
         self.samples_at_start = 0  # where this run started (its throughput counts from there)
         self.output_dir = Path(config.output.output_dir)
@@ -66,6 +72,11 @@ class Trainer:
         self.progress = ProgressDisplay(config.output.progress, runtime.is_main, log)
         self.profiler = StepProfiler(config.output.profile_range, self.output_dir, runtime.identity.rank,
                                      runtime.device, log, config.output.memory_snapshot_on_oom)
+        # Forward passes that wait for the other ranks are no rank's own compute (trainer.step_timing).
+        forward_waits_for = "--sync-bn" if config.model.sync_bn else \
+            f"--sync {config.train.sync}" if setup.sync.sharded else ""
+        self.slow_ranks = SlowRanks(config.output.slow_rank_every, config.output.slow_rank_ratio, runtime,
+                                    setup.model, forward_waits_for, log)
         self.train_metrics = setup.metric_set()
         self.eval_metrics = setup.metric_set()
         self._last_saved_step = -1
@@ -139,8 +150,10 @@ class Trainer:
 
     def _save(self, metrics: Metrics | None, final_deadline: float | None = None) -> None:
         broadcast_buffers(self.setup.model, self.runtime)
+        started = time.perf_counter()
         self.checkpoints.save(self.state.capture(self.runtime.identity.world_size), metrics,
                               self.state.changed_by_step_only, final_deadline)
+        self.endpoint.checkpoint_saved(time.perf_counter() - started)
         self._last_saved_step = self.position.step
         self.timed_saves.saved()
 
@@ -196,14 +209,16 @@ class Trainer:
             shares = setup.train_sampler.batch_shares()
             micro = 0
             step_samples = 0
-            for index, (inputs, targets) in enumerate(setup.train_loader):
+            timing = self.slow_ranks.timing  # each rank's data wait and forward time (trainer.slow_rank)
+            for index, (inputs, targets) in enumerate(timing.batches(setup.train_loader)):
                 group_size = min(accum, batches - (index - micro))
                 final_micro = micro + 1 == group_size
                 if micro == 0:  # every rank's real samples in this optimizer step: known here, no collective
                     step_samples = sum(size for _, size in shares[index:index + group_size])
                     self.profiler.before_step(self.position.step + 1)
                 mine, global_samples = shares[index]
-                inputs, targets = setup.inputs_on_device(inputs), to_device(targets, runtime.device)
+                with timing.copying():
+                    inputs, targets = setup.inputs_on_device(inputs), to_device(targets, runtime.device)
                 if not primed:
                     self._prime_gradient_sync(inputs, targets)
                     primed = True
@@ -212,6 +227,7 @@ class Trainer:
                     with setup.autocast():
                         outputs = setup.model(inputs)
                         loss = setup.instance.loss(outputs, targets)
+                    timing.computed()
                     if runtime.liveness is not None:
                         runtime.liveness.made_progress()  # a rank stuck before its backward is told from the others
                     setup.scaler.scale(share_of_step(loss, mine, world_size, step_samples)).backward()
@@ -228,6 +244,8 @@ class Trainer:
                     continue
                 micro = 0
                 lr = self._optimizer_step()
+                for record in self.slow_ranks.after_step(self.position.step):  # the same on every rank
+                    self._record("slow_rank", record)
                 self.profiler.after_step(self.position.step)
                 self.progress.step()  # the loss is shown at log steps only: reading it waits for the device
                 if self.position.step % config.output.log_every == 0:
@@ -260,6 +278,7 @@ class Trainer:
             last = self.position.epoch >= config.train.epochs or self._reached_max_steps()
             self.save_checkpoint(metrics=result, final=last)
         self.profiler.finish()  # --profile-steps past the last step: what was recorded
+        self.slow_ranks.finish()
         if result is None:  # nothing left to train: the checkpoint was already complete
             result = self._evaluate(self.position.epoch - 1)
         self.checkpoints.finish()
@@ -292,6 +311,7 @@ class Trainer:
         self.position.step += 1
         if self.runtime.liveness is not None:
             self.runtime.liveness.step = self.position.step  # told to peers that wait for this rank
+        self.endpoint.stepped(self.position)
         return lr
 
     def _evaluation_due(self, train_size: int) -> bool:
@@ -323,17 +343,26 @@ class Trainer:
         values = self.train_metrics.compute(self.runtime)
         samples_per_s = values.pop("samples") / max(elapsed_s, 1e-9)  # every rank's, reduced
         epoch = self.position.epoch + 1
-        self._record("train", {**values, "lr": lr, "samples_per_s": samples_per_s, "epoch": epoch,
+        throughput = self.setup.throughput  # FLOP/s per device and MFU, where known (trainer.throughput)
+        self._record("train", {**values, "lr": lr, "samples_per_s": samples_per_s,
+                               **throughput.record(samples_per_s), "epoch": epoch,
                                "samples_seen": self.position.samples_seen})
         self.progress.show_loss(values["loss"])
+        # The window's mean step: a full step's samples at its rate (an epoch's shorter last step counts as full).
+        step_samples = self.setup.train_sampler.batch_size * self.runtime.identity.world_size * \
+            self.config.optim.grad_accum_steps
+        self.endpoint.step_time(step_samples / max(samples_per_s, 1e-9))
+        self.endpoint.compared(self.slow_ranks.latest)
         self.progress.line(f"epoch {epoch}/{self.config.train.epochs} step {self.position.step} {_values(values)} "
-                           f"lr {lr:.2e} {samples_per_s:,.0f} samples/s")
+                           f"lr {lr:.2e} {samples_per_s:,.0f} samples/s{throughput.shown(samples_per_s)}")
 
     def _record(self, kind: str, record: Metrics) -> None:
         """A metrics record to metrics.jsonl and TensorBoard (a failed write ends the run on every rank), then to
-        the experiment trackers (which never wait for nor fail the run)."""
+        the experiment trackers, the TrainJob's status and Prometheus (which never wait for nor fail the run)."""
         agreed(self.runtime, lambda: self.metrics.write(kind, self.position.step, record), OutputError)
         self.tracking.log_metrics(kind, self.position.step, record)
+        self.trainjob_progress.log_metrics(kind, record)
+        self.endpoint.record(kind, record)
 
     def _batch_order(self) -> list[list[int]]:
         sampler = self.setup.train_sampler
@@ -352,6 +381,7 @@ class Trainer:
         for loader in (self.setup.train_loader, self.setup.eval_loader):
             stop_workers(loader)
         stop_fetching(self.setup.train_loader, self.setup.eval_loader)
+        self.slow_ranks.close()
         self.metrics.close()
         if self._sample_log is not None:
             self._sample_log.close()

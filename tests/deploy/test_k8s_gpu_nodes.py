@@ -4,16 +4,12 @@ node selector, and nothing of another cloud's, and keeps the base's nvidia.com/g
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
-import yaml
 
 from tests.support.job_pods import pod_templates, the_job
-from tests.support.k8s_manifests import K8S_DIR, render
+from tests.support.k8s_manifests import render, with_gpu_component
 
-GPU_OVERLAYS = ("k8s/overlays/gpu-single-node", "k8s/overlays/gpu-multi-node")  # the only GPU variants
+GPU_OVERLAYS = ("k8s/overlays/gpu-single-node", "k8s/overlays/gpu-multi-node", "k8s/overlays/trainjob-gpu")
 BASE_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 # What each cloud's GPU nodes carry, from its provider's documentation (cited in each component): AKS's GPU pools
 # are tainted sku=gpu:NoSchedule; GKE labels each GPU node with its accelerator type; on EKS the instance type is
@@ -24,30 +20,19 @@ NODE_SELECTORS = {"gpu-nodes-aks": None, "gpu-nodes-gke": {"cloud.google.com/gke
                   "gpu-nodes-eks": {"node.kubernetes.io/instance-type": "p5.48xlarge"}}
 
 
-def with_cloud(overlay: str, component: str, tmp_path: Path) -> list[dict]:
-    """The overlay, in a copy of k8s/, with the component listed right after ../../components/gpu."""
-    shutil.copytree(K8S_DIR, tmp_path / "k8s", symlinks=True)
-    path = tmp_path / overlay / "kustomization.yaml"
-    kustomization = yaml.safe_load(path.read_text())
-    components = kustomization["components"]
-    components.insert(components.index("../../components/gpu") + 1, f"../../components/{component}")
-    path.write_text(yaml.safe_dump(kustomization))
-    return render(overlay, tmp_path)
-
-
 @pytest.mark.parametrize("component", sorted(NODE_SELECTORS))
 @pytest.mark.parametrize("overlay", GPU_OVERLAYS)
 def test_every_gpu_pod_gets_its_clouds_toleration_and_node_selector(overlay, component, tmp_path):
-    templates = pod_templates(the_job(with_cloud(overlay, component, tmp_path)))
+    templates = pod_templates(the_job(with_gpu_component(overlay, component, tmp_path)))
     assert len(templates) == (1 if overlay.endswith("single-node") else 2)
     for template in templates:
         spec = template["spec"]
         assert spec["tolerations"] == [BASE_TOLERATION, *EXTRA_TOLERATIONS[component]]
-        assert spec.get("nodeSelector") == NODE_SELECTORS[component]
+        assert (spec.get("nodeSelector") or None) == NODE_SELECTORS[component]  # {}: none
 
 
 @pytest.mark.parametrize("overlay", GPU_OVERLAYS)
 def test_without_a_component_gpu_pods_tolerate_only_nvidia_gpu_and_select_no_node(overlay):
     for template in pod_templates(the_job(render(overlay))):
         assert template["spec"]["tolerations"] == [BASE_TOLERATION]
-        assert "nodeSelector" not in template["spec"]
+        assert not template["spec"].get("nodeSelector")

@@ -15,7 +15,7 @@ from devtools.processes import REPO_ROOT
 from tests.support.k8s_manifests import SOURCES, Obj, copy_for_make, make_k8s_image, render
 
 RAYJOB_SOURCES = ("k8s/ray", "k8s/overlays/rayjob-streamed-data")
-GPU_SOURCES = ("k8s/overlays/gpu-single-node", "k8s/overlays/gpu-multi-node")
+GPU_SOURCES = ("k8s/overlays/gpu-single-node", "k8s/overlays/gpu-multi-node", "k8s/overlays/trainjob-gpu")
 # Local images by design: the one kind loads onto its node, and the worked example's derived image.
 LOCAL_IMAGE_SOURCES = ("k8s/overlays/kind", "k8s/overlays/example")
 OTHER_PROGRAMS = ("ghcr.io/mlflow/mlflow:",)  # the tracking overlay's MLflow server is not our image

@@ -23,7 +23,7 @@ import torch
 import yaml
 
 from tests.support.k8s_containers import docker, image_present, run_containers
-from tests.support.k8s_manifests import config_maps, of_kind, render
+from tests.support.k8s_manifests import SHARED_CLAIM, config_maps, of_kind, render
 from tests.support.k8s_operator import PodPlan, admission_errors, pod_plans
 from tests.support.k8s_pods import Pod, PodResult, prepare
 from tests.support.k8s_processes import PodLoss, run_processes
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.slow
 
 PYTORCHJOB_SOURCES = ("k8s", "k8s/overlays/kind", "k8s/overlays/elastic", "k8s/overlays/gpu-single-node",
                       "k8s/overlays/gpu-multi-node", "k8s/overlays/example", "k8s/overlays/sharded")
-CONFIG_MAP, CONFIG_KEY, CLAIM = "ddp-train-config", "config.yaml", "ddp-train-storage"
+CONFIG_MAP, CONFIG_KEY, CLAIM = "ddp-train-config", "config.yaml", SHARED_CLAIM
 SHORT_RUN = {"train": {"epochs": 1}, "data": {"max_train_samples": 512, "max_test_samples": 256}}
 WITHOUT_GPUS = {"dist": {"device": "cpu", "backend": "gloo"}}
 # The image has the trainer on PATH in /opt/venv/bin; here the venv the tests run in has it.
@@ -98,9 +98,9 @@ def prepared(source: str, plans: list[PodPlan], workdir: Path, claim: Path, *cha
 
 
 def summary(claim: Path, source: str) -> dict[str, Any]:
-    output_dir = yaml.safe_load(config_maps(render(source))[CONFIG_MAP][CONFIG_KEY])["output"]["output_dir"]
-    # The job's pods mount the claim at /mnt/ddp.
-    return json.loads((claim / Path(output_dir).relative_to("/mnt/ddp") / "summary.json").read_text())
+    # The job's pods mount the shared claim at /mnt/ddp and write under /mnt/ddp/JOB (--output-dir in their args).
+    (job,) = [obj for obj in render(source) if obj["kind"] in ("PyTorchJob", "TrainJob")]
+    return json.loads((claim / job["metadata"]["name"] / "summary.json").read_text())
 
 
 def trains_with_every_rank(source: str, run: Runner, tmp_path: Path) -> None:

@@ -20,7 +20,9 @@ from devtools.processes import REPO_ROOT
 from tests.support.k8s_manifests import (
     K8S_DIR,
     PLAIN_DIR,
+    SHARED_CLAIM,
     SOURCES,
+    STORAGE_SOURCES,
     TRAINJOB_SOURCES,
     Obj,
     config_maps,
@@ -55,7 +57,7 @@ def job_of(source: str) -> Obj:
 def trainer_config(source: str, plan: PodPlan, tmp_path: Path) -> tuple[Config, RunTask]:
     """The trainer's config and task as the pod's command would read them from the mounted ConfigMap: the flags
     from --config on, in the command (a TrainJob's) or its args (a PyTorchJob's)."""
-    args = [*plan.container.get("command", []), *plan.container.get("args", [])]
+    args = pod_command(plan)  # as the kubelet runs it: $(DDP_JOB_NAME) and the like filled in
     mount_path = Path(args[args.index("--config") + 1])
     volumes = {v["name"]: v for v in plan.template["spec"]["volumes"]}
     for mount in plan.container["volumeMounts"]:
@@ -72,11 +74,20 @@ def trainer_config(source: str, plan: PodPlan, tmp_path: Path) -> tuple[Config, 
 def test_kubectl_apply_on_the_folder_sends_the_job_its_config_and_its_volume():
     objects = render(PLAIN_DIR)
     assert sorted((o["kind"], o["metadata"]["name"]) for o in objects) == [
-        ("ConfigMap", "ddp-train-config"), ("NetworkPolicy", "ddp-train"),
-        ("PersistentVolumeClaim", "ddp-train-storage"), ("PodDisruptionBudget", "ddp-train"),
+        ("ConfigMap", "ddp-train-config"), ("NetworkPolicy", "ddp-train"), ("PodDisruptionBudget", "ddp-train"),
         ("PyTorchJob", "ddp-train"), ("ServiceAccount", "ddp-train")]
     applied = [p for p in K8S_DIR.iterdir() if p.suffix in (".yaml", ".yml", ".json")]
     assert len(applied) == len(objects), "each file directly in k8s/ holds one object"
+
+
+@pytest.mark.parametrize("source", STORAGE_SOURCES)
+def test_the_shared_claim_is_applied_apart_from_every_job(source):
+    """`kubectl delete -f k8s/` (or -k of a variant) deletes the job and keeps its checkpoints: the claim is
+    k8s/storage's alone, and no job's set holds it but the kind overlay's (a laptop's throwaway cluster)."""
+    assert [(o["kind"], o["metadata"]["name"]) for o in render(source)] == [("PersistentVolumeClaim", SHARED_CLAIM)]
+    for job_source in SOURCES:
+        claims = {o["metadata"]["name"] for o in of_kind(render(job_source), "PersistentVolumeClaim")}
+        assert (SHARED_CLAIM in claims) == (job_source == "k8s/overlays/kind"), job_source
 
 
 def test_the_folder_and_the_kustomize_base_apply_the_same_objects():
@@ -86,7 +97,7 @@ def test_the_folder_and_the_kustomize_base_apply_the_same_objects():
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
-@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("source", (*SOURCES, *STORAGE_SOURCES))
 def test_every_object_passes_its_schema_strictly(source, version):
     for obj in render(source):
         if (obj["apiVersion"], obj["kind"]) in CHECKS:
@@ -109,6 +120,17 @@ def test_a_misspelled_or_mistyped_field_of_a_kubeflow_object_is_an_error(kind, s
         target = target[key]
     target.update(change)
     assert any(error in problem for problem in api_errors(obj)), api_errors(obj)
+
+
+@pytest.mark.parametrize("rtype", ["Master", "Worker"])
+def test_a_second_env_entry_of_one_name_in_a_pytorchjob_container_is_refused(rtype):
+    """The PyTorchJob's CRD makes each container's env a list map keyed by name; the API server refuses the job."""
+    job = job_of("k8s")
+    (container,) = job["spec"]["pytorchReplicaSpecs"][rtype]["template"]["spec"]["containers"]
+    env = container.setdefault("env", [])
+    env += [{"name": "AWS_ACCESS_KEY_ID", "value": "a"}, {"name": "AWS_ACCESS_KEY_ID", "value": "b"}]
+    assert api_errors(job) == [f"spec.pytorchReplicaSpecs.{rtype}.template.spec.containers.0.env.{len(env) - 1}: "
+                               f'Duplicate value: {{"name": "AWS_ACCESS_KEY_ID"}} (item {len(env) - 2} has it)']
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
@@ -151,10 +173,10 @@ def test_restart_policy_matches_what_the_command_exits_with(source):
 
 
 @pytest.mark.parametrize("source", PYTORCHJOB_SOURCES)
-def test_pods_outlive_the_preemption_checkpoint(source, tmp_path):
+def test_torchruns_agent_outlives_the_preemption_checkpoint(source, tmp_path):
+    # The pod's own grace period against the trainer's: tests/deploy/test_k8s_spot.py, for every pod of every job.
     for plan in pod_plans(job_of(source)):
         grace_s = trainer_config(source, plan, tmp_path)[0].checkpoint.grace_period_s
-        assert grace_s + 10 <= plan.template["spec"]["terminationGracePeriodSeconds"], plan.name
         if plan.container["command"] == ["torchrun"]:
             assert grace_s < TORCHRUN_SHUTDOWN_S, plan.name
 
@@ -169,6 +191,10 @@ def test_checkpoints_are_on_the_persistent_volume_so_new_pods_resume(source, tmp
                        if "persistentVolumeClaim" in volumes[m["name"]] and not m.get("readOnly")]
         assert any(Path(config.checkpoint_location).is_relative_to(p) for p in claim_paths), plan.name
         assert any(Path(config.output.output_dir).is_relative_to(p) for p in claim_paths), plan.name
+        # The job's own folder on the claim the namespace's jobs share: its name, as the operator labels its pods.
+        assert config.output.output_dir == f"/mnt/ddp/{job_of(source)['metadata']['name']}", plan.name
+        assert {volumes[m["name"]]["persistentVolumeClaim"]["claimName"] for m in plan.container["volumeMounts"]
+                if "persistentVolumeClaim" in volumes[m["name"]]} == {SHARED_CLAIM}, plan.name
 
 
 @pytest.mark.parametrize("source", PYTORCHJOB_SOURCES)
@@ -338,7 +364,7 @@ def test_kind_job_uses_the_loaded_image_and_volumes_kind_can_provide():
 
 
 def test_multi_node_jobs_share_one_volume_across_nodes():
-    for source in ("k8s/base", "k8s/overlays/elastic", "k8s/overlays/gpu-multi-node"):
+    for source in STORAGE_SOURCES:
         (claim,) = of_kind(render(source), "PersistentVolumeClaim")
         assert claim["spec"]["accessModes"] == ["ReadWriteMany"], source
 
@@ -398,6 +424,7 @@ def test_make_k8s_image_points_every_manifest_and_overlay_at_the_registry(k8s_co
                 "k8s/overlays/trainjob-elastic": {cpu}, "k8s/overlays/sharded": {cpu}, "k8s/overlays/tracking": {cpu},
                 "k8s/overlays/streamed-data": {cpu}, "k8s/overlays/trainjob-streamed-data": {cpu},
                 "k8s/overlays/gpu-single-node": {cuda}, "k8s/overlays/gpu-multi-node": {cuda},
+                "k8s/overlays/trainjob-gpu": {cuda},
                 # Local images by design: the one kind loads onto its node, and the example's derived image.
                 "k8s/overlays/kind": {"ddp-deploy:latest"}, "k8s/overlays/example": {"ddp-forecast:latest"}}
     assert set(expected) == set(SOURCES)

@@ -20,7 +20,7 @@ import yaml
 from tests.support.k8s_manifests import K8S_DIR, KUSTOMIZATIONS, SOURCES, TRAINJOB_SOURCES, Obj, of_kind, render
 from tests.support.k8s_operator import pod_plans
 from tests.support.kuberay_pods import rayjob_pods
-from tests.support.pod_security import RESTRICTED, restricted_violations
+from tests.support.pod_security import BASELINE, RESTRICTED, restricted_violations, strictest_profile, violations
 from tests.support.trainer_v2 import pod_plans as trainer_v2_pods
 
 RAYJOB_SOURCES = ("k8s/ray", "k8s/overlays/rayjob-streamed-data")
@@ -121,7 +121,8 @@ def test_the_configured_init_container_is_a_valid_container_that_waits_for_the_m
 def test_the_pod_security_sources_cover_every_kustomization():
     assert set(KUSTOMIZATIONS) | {"k8s/ray", "k8s/overlays/rayjob-streamed-data"} == {
         str(path.parent.relative_to(K8S_DIR.parent)) for path in K8S_DIR.rglob("kustomization.yaml")
-        if "kind: Kustomization" in path.read_text() and path.parent.name != "operator"}
+        if "kind: Kustomization" in path.read_text() and path.parent.name != "operator"
+        and "storage" not in path.parent.relative_to(K8S_DIR).parts}  # k8s/storage: a claim, no pods
     assert set(TRAINJOB_SOURCES) <= set(SOURCES)
 
 
@@ -182,3 +183,44 @@ def test_each_rule_refuses_a_pod_that_breaks_it(check, path, value):
 
 def test_every_rule_has_a_pod_that_breaks_it():
     assert {check for check, _, _ in BREAKS} == set(RESTRICTED)
+
+
+# Baseline's own checks, where it is laxer than restricted: each refuses what baseline refuses, and passes what
+# only restricted refuses.
+BASELINE_BREAKS = [
+    ("privileged", "containers.0.securityContext.privileged", True),
+    ("hostNamespaces", "hostIPC", True),
+    ("hostPathVolumes", "volumes.0", {"name": "data", "hostPath": {"path": "/data"}}),
+    ("hostPorts", "containers.0.ports.0.hostPort", 80),
+    ("windowsHostProcess", "securityContext.windowsOptions", {"hostProcess": True}),
+    ("procMount", "containers.0.securityContext.procMount", "Unmasked"),
+    ("seLinuxOptions", "securityContext.seLinuxOptions", {"type": "spc_t"}),
+    ("sysctls", "securityContext.sysctls", [{"name": "kernel.msgmax", "value": "1"}]),
+    ("capabilities_baseline", "containers.0.securityContext.capabilities.add", ["IPC_LOCK"]),
+    ("seccompProfile_baseline", "securityContext.seccompProfile", {"type": "Unconfined"}),
+]
+
+
+@pytest.mark.parametrize(("check", "path", "value"), BASELINE_BREAKS)
+def test_each_baseline_rule_refuses_a_pod_that_breaks_it(check, path, value):
+    pod = _set(ADMITTED, path, value)
+    assert [v for v in violations(pod, "baseline") if v.startswith(f"{check}: ")], violations(pod, "baseline")
+    assert strictest_profile(pod) == "privileged"
+
+
+def test_every_baseline_rule_has_a_pod_that_breaks_it():
+    assert {check for check, _, _ in BASELINE_BREAKS} == set(BASELINE)
+
+
+@pytest.mark.parametrize("path", ["securityContext.runAsNonRoot", "initContainers.0.securityContext.capabilities",
+                                  "containers.0.securityContext.allowPrivilegeEscalation"])
+def test_a_pod_only_restricted_refuses_is_baseline(path):
+    pod = _set(ADMITTED, path, None)
+    assert restricted_violations(pod) != [] and strictest_profile(pod) == "baseline"
+
+
+def test_a_capability_baseline_allows_is_baseline_and_ipc_lock_is_privileged():
+    assert strictest_profile(ADMITTED) == "restricted"
+    assert strictest_profile(_set(ADMITTED, "containers.0.securityContext.capabilities.add", ["CHOWN"])) == "baseline"
+    assert strictest_profile(_set(ADMITTED, "containers.0.securityContext.capabilities.add", ["IPC_LOCK"])) \
+        == "privileged"

@@ -3,6 +3,8 @@ deadline on every job, set in one place per kind of job."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from tests.support.k8s_manifests import K8S_DIR, REPO_ROOT, SOURCES, of_kind, render
@@ -100,14 +102,18 @@ def test_the_slurm_script_requeues_what_the_table_says(tmp_path):
 
 def test_ray_runs_the_worker_group_again_for_what_the_table_says(monkeypatch):
     """A worker whose trainer exits with a code other than 0 fails (Ray restarts the group, FailureConfig)."""
-    from trainer import on_ray
+    from trainer.launchers.ray_train import RAY_RUN_VARIABLE
+    from trainer.on_ray import worker
 
-    monkeypatch.setenv(on_ray.RAY_RUN_VARIABLE, "")  # the worker sets it: restored afterwards
+    monkeypatch.setenv(RAY_RUN_VARIABLE, "")  # the worker sets it: restored afterwards
+    # Outside a Ray worker the drain watch's node id would start a local Ray (ray.get_runtime_context()), which
+    # later tests would then find joined.
+    monkeypatch.setattr(worker, "stop_when_this_node_drains", lambda requests: contextlib.nullcontext())
 
     def fails_for(code: int) -> bool:
-        monkeypatch.setattr(on_ray, "run", lambda *args, **kwargs: code)
+        monkeypatch.setattr(worker, "run", lambda *args, **kwargs: code)
         try:
-            on_ray._train_in_worker({"run": "/runs/r", "argv": [], "checkpoints": "/nonexistent", "task": None,
+            worker.train_in_worker({"run": "/runs/r", "argv": [], "checkpoints": "/nonexistent", "task": None,
                                      "settings": {}})
         except RuntimeError:
             return True

@@ -1,5 +1,6 @@
 """Several jobs in one namespace: an overlay of any kustomization with a namePrefix and a nameSuffix renders a job
-whose pods find its own ConfigMap and claim, and whose NetworkPolicy selects its own pods (docs/kubernetes.md)."""
+whose pods find its own ConfigMap, whose NetworkPolicy selects its own pods, and whose folder on the claim the
+namespace's jobs share is its own (docs/kubernetes.md)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import pytest
 import yaml
 
 from tests.support.job_pods import pod_templates
-from tests.support.k8s_manifests import KUSTOMIZATIONS, REPO_ROOT, Obj, render
+from tests.support.k8s_manifests import KUSTOMIZATIONS, REPO_ROOT, SHARED_CLAIM, Obj, render
+from tests.support.k8s_operator import pod_plans
+from tests.support.k8s_pods import pod_command
+from tests.support.trainer_v2 import pod_plans as trainer_v2_pods
 
 RAYJOB_SOURCES = ("k8s/ray", "k8s/overlays/rayjob-streamed-data")
 PREFIX, SUFFIX = "team-a-", "-run2"
@@ -42,7 +46,14 @@ def test_a_renamed_job_refers_to_its_own_objects_and_isolates_its_own_pods(sourc
             if "configMap" in volume:
                 assert ("ConfigMap", volume["configMap"]["name"]) in names, volume
             if "persistentVolumeClaim" in volume:
-                assert ("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"]) in names, volume
+                # Its own claim (the RayJob's, the tracking overlay's MLflow server's), or the one the namespace's
+                # jobs share, which k8s/storage applies apart from them and keeps its name.
+                claim = volume["persistentVolumeClaim"]["claimName"]
+                assert ("PersistentVolumeClaim", claim) in names or claim == SHARED_CLAIM, volume
+    if job["kind"] != "RayJob":  # its folder is --ray-run-name's, on a claim of its own (k8s/ray/pvc.yaml)
+        for plan in (pod_plans if job["kind"] == "PyTorchJob" else trainer_v2_pods)(job):
+            command = pod_command(plan)
+            assert command[command.index("--output-dir") + 1] == f"/mnt/ddp/{job['metadata']['name']}", plan.name
     own_pods = {"matchLabels": JOB_LABELS[job["kind"]](job["metadata"]["name"])}
     for template in pod_templates(job):
         if job["kind"] == "RayJob":  # the operators of the others label the pods themselves

@@ -1,39 +1,32 @@
-"""The shared claim's storage class as a parameter: each cloud's component (k8s/components/rwx-storage-*) in an overlay
-of every kustomization, renamed too, sets a ReadWriteMany class of that cloud on the claim every pod mounts, and on no
-other claim (the tracking overlay's MLflow claim keeps the cluster's default)."""
+"""The shared claim's storage class as a parameter: each cloud's component (k8s/components/rwx-storage-*) sets a
+ReadWriteMany class of that cloud on the claim the jobs share (k8s/storage, and k8s/storage/{gke,eks,aks} with it),
+on the RayJob's own claim, renamed too, and on no other claim (the tracking overlay's MLflow claim keeps the
+cluster's default); the jobs' pods mount the claim it was set on."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.support.k8s_manifests import K8S_DIR, REPO_ROOT, Obj, of_kind, render
+from tests.support.k8s_manifests import KUSTOMIZATIONS, SHARED_CLAIM, Obj, of_kind, render, user_overlay
 
 # Each cloud's file-share class, from its provider's documentation: GKE's Filestore CSI driver installs standard-rwx
 # (and premium-rwx, enterprise-rwx); EKS's is the one the EFS CSI driver's guide has users create, efs-sc; AKS has
 # azurefile-csi (and azurefile-csi-premium) built in. Their block-storage defaults are ReadWriteOnce only.
 CLASSES = {"rwx-storage-gke-filestore": "standard-rwx", "rwx-storage-eks-efs": "efs-sc",
            "rwx-storage-aks-azurefile": "azurefile-csi"}
-SHARED_CLAIM = "ddp-train-storage"
 PREFIX = "team-a-"
-# One of each kind of job, and the tracking overlay, whose MLflow server has a claim of its own.
-SOURCES = ("k8s/base", "k8s/overlays/gpu-multi-node", "k8s/overlays/tracking", "k8s/trainer-v2", "k8s/ray")
+RAYJOB_CLAIM = "ddp-train-storage"  # k8s/ray/pvc.yaml: in the RayJob's own set
+# Where each claim is: the shared one's folder, the RayJob with its own, and the tracking overlay, whose MLflow
+# server has a claim of its own and mounts the shared one too.
+SOURCES = {"k8s/storage/claim": SHARED_CLAIM, "k8s/ray": RAYJOB_CLAIM, "k8s/overlays/tracking": None}
+CLOUD_FOLDERS = {"k8s/storage/gke": "rwx-storage-gke-filestore", "k8s/storage/eks": "rwx-storage-eks-efs",
+                 "k8s/storage/aks": "rwx-storage-aks-azurefile"}
 
 
 def with_component(source: str, component: str, tmp_path: Path, prefix: str = "") -> list[Obj]:
-    """`kubectl apply -k` on an overlay of `source` that adds the component (and a namePrefix): what a user writes."""
-    overlay = tmp_path / "overlay"
-    overlay.mkdir()
-    kustomization = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-                     "resources": [os.path.relpath(REPO_ROOT / source, overlay)],
-                     "components": [os.path.relpath(K8S_DIR / "components" / component, overlay)]}
-    if prefix:
-        kustomization["namePrefix"] = prefix
-    (overlay / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
-    return render(overlay.name, tmp_path)
+    return user_overlay(tmp_path, source, [component], prefix)
 
 
 def claim_names_mounted(objects: list[Obj]) -> set[str]:
@@ -54,21 +47,33 @@ def claim_names_mounted(objects: list[Obj]) -> set[str]:
 
 
 @pytest.mark.parametrize("component", sorted(CLASSES))
-@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("source", sorted(SOURCES))
 @pytest.mark.parametrize("prefix", ["", PREFIX])
 def test_the_component_gives_the_shared_claim_its_clouds_rwx_class_and_touches_no_other(source, component, prefix,
                                                                                       tmp_path):
     objects = with_component(source, component, tmp_path, prefix)
     claims = {claim["metadata"]["name"]: claim for claim in of_kind(objects, "PersistentVolumeClaim")}
-    shared = claims.pop(prefix + SHARED_CLAIM)
-    assert shared["spec"]["storageClassName"] == CLASSES[component]
-    assert shared["spec"]["accessModes"] == ["ReadWriteMany"], "pods on several nodes mount it"
-    assert prefix + SHARED_CLAIM in claim_names_mounted(objects), "the pods mount the claim the class was set on"
+    if SOURCES[source] is not None:
+        shared = claims.pop(prefix + SOURCES[source])
+        assert shared["spec"]["storageClassName"] == CLASSES[component]
+        assert shared["spec"]["accessModes"] == ["ReadWriteMany"], "pods on several nodes mount it"
     for name, claim in claims.items():
         assert "storageClassName" not in claim["spec"], name
 
 
+@pytest.mark.parametrize("folder", sorted(CLOUD_FOLDERS))
+def test_each_clouds_storage_folder_is_the_shared_claim_with_its_component(folder, tmp_path):
+    assert render(folder) == with_component("k8s/storage/claim", CLOUD_FOLDERS[folder], tmp_path)
+
+
+@pytest.mark.parametrize("source", [*KUSTOMIZATIONS, "k8s/ray"])
+def test_every_jobs_pods_mount_a_claim_a_component_sets_the_class_of(source):
+    mounted = claim_names_mounted(render(source))
+    assert mounted, source
+    assert mounted <= {SHARED_CLAIM, RAYJOB_CLAIM, "mlflow"}, (source, mounted)
+
+
 def test_without_a_component_the_claim_names_no_class():
-    (claim,) = [claim for claim in of_kind(render("k8s/base"), "PersistentVolumeClaim")
-                if claim["metadata"]["name"] == SHARED_CLAIM]
+    (claim,) = of_kind(render("k8s/storage/claim"), "PersistentVolumeClaim")
+    assert claim["metadata"]["name"] == SHARED_CLAIM
     assert "storageClassName" not in claim["spec"], "the cluster's default, which must then offer ReadWriteMany"

@@ -12,13 +12,16 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 
 from devtools.processes import REPO_ROOT
-from kubeflow_sdk.trainjob import ddp_trainer
+from kubeflow_sdk.trainjob import cluster_job, ddp_trainer
 from tests.support.k8s_manifests import config_maps, of_kind, render
 from tests.support.preconditions import unavailable
+from tests.support.trainer_crds import crd_errors
+from tests.support.trainer_v2 import admission_errors
 
 IMAGE = os.environ.get("IMAGE", "ddp-deploy:latest")
 SMALL = ["--dataset", "synthetic", "--synthetic-train-size", "64", "--synthetic-test-size", "16", "--batch-size", "8",
@@ -60,6 +63,67 @@ def test_the_sdk_job_is_the_trainjob_that_k8s_trainer_v2_describes():
     script = sent["command"][-1]
     assert re.search(r'^torchrun "trainjob\.py"$', script, re.MULTILINE), script[-500:]
     assert f"ddp_train(**{{'argv': [], 'config_yaml': {config_yaml!r}, 'task': ''}})" in script
+
+
+def sent_trainjob(trainer, options: list) -> dict:
+    """The whole TrainJob the SDK's Kubernetes backend sends the API server for train(options=...), caught on its
+    way (no cluster: the backend's train() builds it, its client would send it)."""
+    from kubeflow.trainer.backends.kubernetes.backend import KubernetesBackend
+    from kubeflow.trainer.constants import constants
+    from kubeflow.trainer.types import types
+
+    runtime = types.Runtime(name="torch-distributed", kind=types.RuntimeKind.CLUSTER_TRAINING_RUNTIME,
+                            trainer=types.RuntimeTrainer(trainer_type=types.TrainerType.CUSTOM_TRAINER,
+                                                         framework="torch", image="unused"))
+    runtime.trainer.set_command(constants.TORCH_COMMAND)
+    sent: list[dict] = []
+    backend = KubernetesBackend.__new__(KubernetesBackend)  # its __init__ reads a kubeconfig
+    backend.namespace = "default"
+    backend.custom_api = SimpleNamespace(create_namespaced_custom_object=lambda *args: sent.append(args[-1]))
+    backend.train(runtime=runtime, trainer=trainer, options=options)
+    (trainjob,) = sent
+    return trainjob
+
+
+def node_pod(trainjob: dict) -> dict:
+    """The pod template of the runtime patch's node job."""
+    (patch,) = trainjob["spec"]["runtimePatches"]
+    (node,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    return node["template"]["spec"]["template"]
+
+
+def test_a_cluster_job_has_the_manifests_label_deadline_pods_run_folder_and_lease_name():
+    from kubeflow.trainer.options import PodSpecPatch
+
+    (manifest,) = of_kind(render("k8s/trainer-v2"), "TrainJob")
+    sent = sent_trainjob(**cluster_job("ddp-train", ["--epochs", "3"], namespace="team-a"))
+    assert crd_errors(sent, "v2.3.0") == [] and admission_errors(sent) == []
+    assert sent["metadata"]["name"] == "ddp-train" and sent["metadata"]["labels"] == manifest["metadata"]["labels"]
+    assert sent["spec"]["activeDeadlineSeconds"] == manifest["spec"]["activeDeadlineSeconds"]
+    pod, wanted = node_pod(sent), node_pod(manifest)
+    assert pod["metadata"]["annotations"] == wanted["metadata"]["annotations"], "do-not-disrupt, no sidecar"
+    for field in ("serviceAccountName", "securityContext"):
+        assert pod["spec"][field] == wanted["spec"][field], field
+    (container,), (wanted_container,) = pod["spec"]["containers"], wanted["spec"]["containers"]
+    assert container["securityContext"] == wanted_container["securityContext"]
+    # The config file travels in the function's arguments, not in the ConfigMap's volume; the SDK writes the
+    # function's file in the working folder.
+    assert [v for v in wanted["spec"]["volumes"] if v["name"] != "config"] == pod["spec"]["volumes"][:-1]
+    assert [m for m in wanted_container["volumeMounts"] if m["name"] != "config"] == container["volumeMounts"][:-1]
+    assert container["volumeMounts"][-1] == {"name": "workspace", "mountPath": "/workspace"}
+    # What the SDK has no field for (docs/kubernetes.md): the grace period; the manifest's empty tolerations and
+    # node selector are only there for components to add to.
+    assert set(wanted["spec"]) - set(pod["spec"]) == {"terminationGracePeriodSeconds", "tolerations", "nodeSelector"}
+    assert "termination_grace_period_seconds" not in PodSpecPatch.__dataclass_fields__
+    assert wanted["spec"]["tolerations"] == [] and wanted["spec"]["nodeSelector"] == {}
+    # The manifest's run folder and lease name, /mnt/ddp/$(DDP_JOB_NAME) and trainjob/NAMESPACE/NAME from the pod's
+    # fields; the SDK's are the same, written out (no env in a runtime patch, no fieldRef in the SDK's env).
+    command = manifest["spec"]["trainer"]["command"]
+    assert command[command.index("--output-dir") + 1] == "/mnt/ddp/$(DDP_JOB_NAME)"
+    assert "'argv': ['--output-dir', '/mnt/ddp/ddp-train', '--epochs', '3']" in sent["spec"]["trainer"]["command"][-1]
+    env = {item["name"]: item.get("value") for item in sent["spec"]["trainer"]["env"]}
+    assert env["DDP_JOB_ID"] == "trainjob/team-a/ddp-train" and env["DDP_JOB_NAME"] == "ddp-train"
+    assert {item["name"] for item in manifest["spec"]["trainer"]["env"]} <= set(env)
 
 
 def test_the_shipped_function_trains_under_torchrun_as_each_node_runs_it(tmp_path):

@@ -34,6 +34,7 @@ def test_one_process_passes_every_check_it_can_run() -> None:
     result = doctor(*QUICK)
 
     assert_passed(result)
+    assert row(result.stdout, "all", "cuda_driver", "(ok|skip)"), result.stdout  # this node's: see test_doctor_driver
     assert row(result.stdout, "all", "send_recv", "skip"), result.stdout
     for op in OPS[1:]:
         assert row(result.stdout, "all", op, "ok"), f"{op} missing or not ok:\n{result.stdout}"
@@ -63,7 +64,8 @@ def test_three_plain_env_ranks_pass_and_rank_zero_writes_the_json_report(tmp_pat
     assert report["ok"] and report["world_size"] == 3 and report["backend"] == "gloo"
     assert [env["rank"] for env in report["ranks"]] == [0, 1, 2]
     assert {(check["rank"], check["op"]) for check in report["checks"]} >= {(r, op) for r in range(3) for op in OPS}
-    assert {check["status"] for check in report["checks"]} == {"ok"}
+    assert {check["status"] for check in report["checks"] if check["op"] != "cuda_driver"} == {"ok"}
+    assert {check["rank"] for check in report["checks"] if check["op"] == "cuda_driver"} == {0, 1, 2}
     assert [entry["size_mb"] for entry in report["bandwidth"]] == [0.01, 0.1]
     for entry in report["bandwidth"]:
         assert entry["busbw_gbps"] == pytest.approx(entry["algbw_gbps"] * 2 * (3 - 1) / 3)
@@ -84,6 +86,23 @@ def test_a_wrong_value_fails_every_rank_and_names_the_sending_rank_and_the_opera
     assert row(table, "0", op, "FAIL") and row(table, "1", op, "FAIL"), table
     for other in set(OPS) - {op}:
         assert row(table, "all", other, "ok"), f"{other} should still pass:\n{table}"
+
+
+def test_a_rank_whose_driver_is_too_old_is_named_in_rank_zeros_table_and_no_rank_waits_for_it(tmp_path: Path) -> None:
+    """Rank 1's CUDA cannot start on its driver (tests/workers/doctor_old_driver.py): it cannot join the group, so
+    it tells the others through the store instead of leaving them waiting in the group until the rendezvous
+    timeout."""
+    results = env_ranks(["1", str(tmp_path), *QUICK], 2, module="tests.workers.doctor_old_driver", timeout_s=180)
+
+    failure = "cuda_driver on rank 1 (CUDA cannot start on this node's GPUs (nvidia0), so --device auto would train on"
+    for rank, result in enumerate(results):
+        assert result.returncode == 1, f"rank {rank}: exit {result.returncode}\n{result.stderr}"
+        assert f"rank {rank}: FAILED: {failure}" in result.stderr, result.stderr
+    table = results[0].stdout
+    assert "2 rank(s) on 1 host(s), group not joined" in table, table
+    assert re.search(r"^1\s+1\s+0\s+\S+\s+env\s+none$", table, re.MULTILINE), table
+    assert row(table, "1", "cuda_driver", r"FAIL\s+0\.00\s+CUDA cannot start"), table
+    assert not row(table, "all", "send_recv", "ok"), "no collective runs without rank 1"
 
 
 def test_bad_flags_exit_2_with_one_line_naming_the_flag() -> None:

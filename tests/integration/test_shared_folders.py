@@ -13,7 +13,7 @@ from devtools.processes import REPO_ROOT, clean_env, kill_session, run
 from tests.support.checkpoint_reading import wait_for_checkpoint
 from trainer.errors import EXIT_USAGE
 
-EXPIRY_S = 10  # long enough for a refused start (2-3 s) after the kill, short to wait for
+EXPIRY_S = 15  # a refused start after the kill takes 2-3 s, 8 s and more on a loaded machine; short to wait for
 # A run that goes on for minutes unless stopped: 1 step per epoch, a checkpoint at every step.
 TINY = ["--dataset", "synthetic", "--synthetic-train-size", "32", "--synthetic-test-size", "16", "--batch-size", "32",
         "--progress", "off", "--no-tensorboard", "--checkpoint-every", "1", "--lease-expiry-s", str(EXPIRY_S)]

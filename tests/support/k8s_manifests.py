@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -25,10 +26,14 @@ PLAIN_DIR = "k8s"
 KUSTOMIZATIONS = ("k8s/base", "k8s/overlays/kind", "k8s/overlays/elastic", "k8s/overlays/gpu-single-node",
                   "k8s/overlays/gpu-multi-node", "k8s/overlays/example", "k8s/overlays/sharded",
                   "k8s/overlays/tracking", "k8s/overlays/streamed-data", "k8s/trainer-v2",
-                  "k8s/overlays/trainjob-elastic", "k8s/overlays/trainjob-streamed-data")
+                  "k8s/overlays/trainjob-elastic", "k8s/overlays/trainjob-streamed-data", "k8s/overlays/trainjob-gpu")
 SOURCES = (PLAIN_DIR, *KUSTOMIZATIONS)
+# The claim the jobs share, applied once apart from them: `kubectl apply -f k8s/storage/`, or -k one of the others.
+PLAIN_STORAGE_DIR = "k8s/storage"
+STORAGE_SOURCES = (PLAIN_STORAGE_DIR, "k8s/storage/claim", "k8s/storage/gke", "k8s/storage/eks", "k8s/storage/aks")
+SHARED_CLAIM = "ddp-deploy-storage"
 TRAINJOB_SOURCES = ("k8s/trainer-v2", "k8s/overlays/trainjob-elastic",  # the rest hold a PyTorchJob
-                    "k8s/overlays/trainjob-streamed-data")
+                    "k8s/overlays/trainjob-streamed-data", "k8s/overlays/trainjob-gpu")
 
 Obj = dict[str, Any]
 
@@ -41,7 +46,8 @@ def render(source: str, root: Path = REPO_ROOT) -> list[Obj]:
 
 @functools.cache
 def _render(source: str, root: Path) -> list[Obj]:
-    if source == PLAIN_DIR:
+    plain = source in (PLAIN_DIR, PLAIN_STORAGE_DIR)
+    if plain:
         # Removing a label nobody has: kubectl reads the folder exactly as `apply -f` does, offline
         # (--local), and prints the objects unchanged, one JSON document after another.
         cmd = [str(KUBECTL), "label", "--local", "-o", "json", "-f", str(root / source), "absent-label-"]
@@ -52,7 +58,7 @@ def _render(source: str, root: Path) -> list[Obj]:
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{out.stderr}")
-    if source != PLAIN_DIR:
+    if not plain:
         return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
     objects, text = [], out.stdout.strip()
     while text:
@@ -92,3 +98,29 @@ def copy_for_make(root: Path) -> Path:
 def make_k8s_image(root: Path, *settings: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["make", "--no-print-directory", "-C", str(root), "k8s-image", *settings,
                            f"PYTHON={sys.executable}"], capture_output=True, text=True, timeout=60, check=False)
+
+
+def user_overlay(root: Path, source: str, components: list[str], prefix: str = "") -> list[Obj]:
+    """`kubectl apply -k` on a user's overlay (root/overlay) of ``source`` that adds k8s/components/NAME for each of
+    ``components`` and, if given, a namePrefix: what a user writes."""
+    folder = root / "overlay"
+    folder.mkdir()
+    kustomization = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+                     "resources": [os.path.relpath(REPO_ROOT / source, folder)],
+                     "components": [os.path.relpath(K8S_DIR / "components" / name, folder) for name in components]}
+    if prefix:
+        kustomization["namePrefix"] = prefix
+    (folder / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    return render(folder.name, root)
+
+
+def with_gpu_component(overlay: str, component: str, root: Path) -> list[Obj]:
+    """The GPU overlay rendered from a copy of k8s/ under root, with k8s/components/COMPONENT listed right after
+    ../../components/gpu, as docs/kubernetes.md has a cluster's components listed (gpu-nodes-*, nccl-*)."""
+    shutil.copytree(K8S_DIR, root / "k8s", symlinks=True)
+    path = root / overlay / "kustomization.yaml"
+    kustomization = yaml.safe_load(path.read_text())
+    components = kustomization["components"]
+    components.insert(components.index("../../components/gpu") + 1, f"../../components/{component}")
+    path.write_text(yaml.safe_dump(kustomization))
+    return render(overlay, root)

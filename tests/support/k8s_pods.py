@@ -127,9 +127,18 @@ def environment(plan: PodPlan) -> dict[str, str]:
     metadata = {"metadata.namespace": plan.namespace, "metadata.name": plan.name,
                 **{f"metadata.labels['{key}']": value for key, value in plan.labels}}
     for entry in container.get("env", []):
+        if _absent_optional_key(entry):
+            continue
         env[entry["name"]] = _env_value(entry, container, plan.name, metadata, env)
     env.update(plan.operator_env)
     return env
+
+
+def _absent_optional_key(entry: Obj) -> bool:
+    """A variable from an optional key of a Secret or ConfigMap: no Secrets are emulated, and the kubelet leaves such
+    a variable unset where the Secret is absent (a namespace that has none: the pods get access another way)."""
+    source = entry.get("valueFrom", {})
+    return any(source.get(ref, {}).get("optional") is True for ref in ("secretKeyRef", "configMapKeyRef"))
 
 
 def _env_value(entry: Obj, container: Obj, pod_name: str, metadata: dict[str, str], before: dict[str, str]) -> str:

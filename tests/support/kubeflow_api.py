@@ -6,7 +6,8 @@ required. A manifest is read into its model and written back out: a field the mo
 does not come back (the API server would drop it, or refuse it under field validation), a value that
 comes back changed had the wrong type, and a missing required field or an unreadable value fails the
 read. The pod templates inside a PyTorchJob are Kubernetes' own type; tests/deploy/test_k8s_manifests.py
-checks them against Kubernetes' schema with kubernetes-validate.
+checks them against Kubernetes' schema with kubernetes-validate, which lets two env entries of one name pass: the
+PyTorchJob's CRD refuses them (below).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import kubeflow.training
 import pydantic
 from kubeflow_trainer_api import models as trainer_v2
 
+from tests.support.structural_schema import duplicates
+
 Obj = dict[str, Any]
 
 
@@ -29,6 +32,29 @@ def api_errors(obj: Obj) -> list[str]:
 
 
 def _pytorchjob_errors(job: Obj) -> list[str]:
+    return _duplicate_env_names(job) + _pytorchjob_model_errors(job)
+
+
+# training-operator v1.9.4's CRD (manifests/base/crds/kubeflow.org_pytorchjobs.yaml) makes each container's env a
+# list map keyed by name (x-kubernetes-list-type: map), and the API server refuses a second entry of one name; the
+# Python models know nothing of list types. The CRD marks other lists of the pod (volumes, ports, volumeMounts) too:
+# the manifests' are not patched by more than one component.
+CONTAINER_LISTS = ("initContainers", "containers", "ephemeralContainers")
+
+
+def _duplicate_env_names(job: Obj) -> list[str]:
+    problems = []
+    for rtype, replica in job.get("spec", {}).get("pytorchReplicaSpecs", {}).items():
+        pod = replica.get("template", {}).get("spec", {}) if isinstance(replica, dict) else {}
+        for kind in CONTAINER_LISTS:
+            for index, container in enumerate(pod.get(kind) or []):
+                where = f"spec.pytorchReplicaSpecs.{rtype}.template.spec.{kind}.{index}.env"
+                problems += [f"{where}.{item}: {message}"
+                             for item, message in duplicates(container.get("env") or [], ["name"])]
+    return problems
+
+
+def _pytorchjob_model_errors(job: Obj) -> list[str]:
     outline = copy.deepcopy(job)
     for replica in outline.get("spec", {}).get("pytorchReplicaSpecs", {}).values():
         if isinstance(replica, dict) and "template" in replica:

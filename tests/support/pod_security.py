@@ -1,11 +1,13 @@
-"""The Pod Security Standards' restricted profile, checked on a pod spec offline.
+"""The Pod Security Standards' restricted and baseline profiles, checked on a pod spec offline.
 
 No maintained checker installs here (pod-security-admission is Go, inside the API server), so each rule below is
 the profile's documented rule, named by the check's ID in kubernetes/kubernetes
 staging/src/k8s.io/pod-security-admission/policy/ (the file is check_<ID>.go) and by the row of the Pod Security
 Standards page (kubernetes.io/docs/concepts/security/pod-security-standards/). Restricted includes baseline: the
-baseline rules that a training pod could break are checked too. Init containers count like containers (the
-admission's visitContainers walks both, and ephemeral containers).
+baseline rules that a training pod could break are checked too. Baseline alone (BASELINE) is for the pods that
+restricted refuses: which level a namespace needs for them (``strictest_profile``). Its appArmorProfile check is left
+out: no pod here names an AppArmor profile. Init containers count like containers (the admission's visitContainers
+walks both, and ephemeral containers).
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ ALLOWED_VOLUME_SOURCES = frozenset({"configMap", "csi", "downwardAPI", "emptyDir
                                     "persistentVolumeClaim", "projected", "secret"})
 # seccompProfile_restricted: "Seccomp (v1.19+)".
 ALLOWED_SECCOMP = frozenset({"RuntimeDefault", "Localhost"})
+# capabilities_baseline: "Capabilities" (baseline), the capabilities a container may add beyond the runtime's
+# defaults. IPC_LOCK, which RDMA examples add, is not among them.
+BASELINE_CAPABILITIES = frozenset({"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD",
+                                   "NET_BIND_SERVICE", "SETFCAP", "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT"})
 # sysctls: "Sysctls" (baseline), the safe set.
 SAFE_SYSCTLS = frozenset({"kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.tcp_syncookies",
                           "net.ipv4.ping_group_range", "net.ipv4.ip_unprivileged_port_start",
@@ -138,6 +144,25 @@ def sysctls(pod: Obj) -> list[str]:
             for s in (pod.get("securityContext") or {}).get("sysctls") or [] if s["name"] not in SAFE_SYSCTLS]
 
 
+def capabilities_baseline(pod: Obj) -> list[str]:
+    """capabilities_baseline ("Capabilities", baseline): no container adds a capability outside the fixed list."""
+    return [f"container {c['name']!r} must not add {sorted(added)}" for c in containers(pod)
+            if (added := set((_security(c).get("capabilities") or {}).get("add") or []) - BASELINE_CAPABILITIES)]
+
+
+def host_path_volumes(pod: Obj) -> list[str]:
+    """hostPathVolumes ("HostPath Volumes", baseline)."""
+    return [f"volume {v['name']!r} must not be a hostPath" for v in pod.get("volumes") or [] if "hostPath" in v]
+
+
+def seccomp_profile_baseline(pod: Obj) -> list[str]:
+    """seccompProfile_baseline ("Seccomp", baseline): Unconfined nowhere; unset is allowed."""
+    settings = [("the pod", pod.get("securityContext") or {})]
+    settings += [(f"container {c['name']!r}", _security(c)) for c in containers(pod)]
+    return [f"{who} must not set seccompProfile.type=Unconfined" for who, security in settings
+            if (security.get("seccompProfile") or {}).get("type") == "Unconfined"]
+
+
 RESTRICTED: dict[str, Rule] = {
     "allowPrivilegeEscalation": allow_privilege_escalation,
     "capabilities_restricted": capabilities_restricted,
@@ -155,6 +180,33 @@ RESTRICTED: dict[str, Rule] = {
 }
 
 
+BASELINE: dict[str, Rule] = {
+    "privileged": privileged,
+    "hostNamespaces": host_namespaces,
+    "hostPathVolumes": host_path_volumes,
+    "hostPorts": host_ports,
+    "windowsHostProcess": host_process,
+    "procMount": proc_mount,
+    "seLinuxOptions": se_linux_options,
+    "sysctls": sysctls,
+    "capabilities_baseline": capabilities_baseline,
+    "seccompProfile_baseline": seccomp_profile_baseline,
+}
+# From the strictest; privileged (no checks) admits everything.
+PROFILES: dict[str, dict[str, Rule]] = {"restricted": RESTRICTED, "baseline": BASELINE}
+
+
+def violations(pod: Obj, profile: str) -> list[str]:
+    """Why the profile refuses a pod spec, "check: detail" each; [] when it admits it."""
+    return [f"{check}: {detail}" for check, rule in PROFILES[profile].items() for detail in rule(pod)]
+
+
 def restricted_violations(pod: Obj) -> list[str]:
     """Why the restricted profile refuses a pod spec, "check: detail" each; [] when it admits it."""
-    return [f"{check}: {detail}" for check, rule in RESTRICTED.items() for detail in rule(pod)]
+    return violations(pod, "restricted")
+
+
+def strictest_profile(pod: Obj) -> str:
+    """The strictest level whose profile admits the pod spec: the level its namespace's pod-security.kubernetes.io/
+    enforce label may have at most."""
+    return next((profile for profile in PROFILES if not violations(pod, profile)), "privileged")

@@ -29,6 +29,12 @@ from trainer.task import NoOptions, Task, TaskContext, TaskData
 MASK = 0  # the token a masked position becomes
 
 
+def counting_flops(outputs: torch.Tensor) -> bool:
+    """Whether a loss() call is the trainer's FLOPs count (on meta tensors, once at the start on rank 0:
+    docs/tasks.md), not a batch: the tasks below that count or time their loss calls skip it."""
+    return outputs.is_meta
+
+
 @dataclass
 class TokenOptions:
     vocab: int = option(64, "tokens in the vocabulary", resume=ResumeRule.REFUSE)
@@ -148,7 +154,7 @@ class WrongSizeTask(ViewTask):
 
 
 class HangsTask(ViewTask):
-    """Rank 1's main thread hangs in its sixth loss (the fifth training micro-batch): what a device
+    """Rank 1's main thread hangs in its sixth loss of a batch (the fifth training micro-batch): what a device
     synchronisation behind an NCCL kernel that never ends looks like from Python. No collective of its own
     times out there: only the progress watchdog can end it."""
 
@@ -159,10 +165,32 @@ class HangsTask(ViewTask):
         return nn.Sequential(nn.Flatten(), nn.Linear(64, 2))
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
+        self.calls += not counting_flops(outputs)
         if os.environ.get("RANK") == "1" and self.calls == 6:
             time.sleep(3600)
         return super().loss(outputs, targets)
+
+
+class RefusesDispatchOnRankOne(nn.Module):
+    """Like a custom kernel that cannot run under a dispatch mode (the FLOPs counter's), on rank 1 only."""
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        if os.environ.get("RANK") == "1" and _get_current_dispatch_mode() is not None:
+            raise RuntimeError("this kernel has no implementation for a dispatch mode")
+        return inputs
+
+
+class CountFailsOnRankOneTask(ViewTask):
+    """BatchNorm (synchronised by --sync-bn), then a layer the FLOPs counter cannot run on rank 1 alone: the
+    count must not leave the ranks in different collectives."""
+
+    name = "count-fails-on-rank-one"
+
+    def model(self, data: TaskData) -> nn.Module:
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.BatchNorm1d(8), RefusesDispatchOnRankOne(),
+                             nn.Linear(8, 2))
 
 
 @dataclass
@@ -175,8 +203,9 @@ class WideOptions:
 class WideTask(Task[WideOptions]):
     """A stack of wide layers (48 x 1024 x 1024: 201 MB of float32 weights), for --meta-init: each rank records
     how much its memory grew at most (RssAnon, sampled every millisecond) between its datasets() and its first
-    loss() (the model built, sharded and initialised, before any gradient exists), against the model's size, and
-    what it held before (a resume's checkpoint is read before datasets())."""
+    loss() of a batch (the model built, sharded and initialised, before any gradient exists; not the FLOPs count's
+    call on meta tensors), against the model's size, and what it held before (a resume's checkpoint is read before
+    datasets())."""
 
     name = "wide"
     Options = WideOptions
@@ -193,7 +222,7 @@ class WideTask(Task[WideOptions]):
         return nn.Sequential(*(nn.Linear(self.options.width, self.options.width) for _ in range(self.options.blocks)))
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if self.sampler is not None:
+        if self.sampler is not None and not counting_flops(outputs):
             import json
 
             before, grown, self.sampler = self.sampler.before, self.sampler.stop(), None
@@ -251,7 +280,7 @@ class GatedTask(ViewTask):
     calls = 0
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
+        self.calls += not counting_flops(outputs)
         if self.options.gate and self.calls == self.options.gate_at and os.environ.get("RANK", "0") == "0":
             gate = Path(self.options.gate)
             (gate / "reached").touch()
@@ -275,7 +304,7 @@ class OutOfMemoryTask(ViewTask):
     calls = 0
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
+        self.calls += not counting_flops(outputs)
         if self.calls == self.options.oom_at:
             if outputs.is_cuda:
                 torch.empty(1 << 42, device=outputs.device)  # 16 TiB

@@ -1,8 +1,11 @@
 """What Kubeflow Trainer v2 and JobSet do with a TrainJob under the ``torch-distributed`` runtime, for tests
 without a cluster: the pods they create and what each one's ``node`` container is given.
 
-Transcribed from kubeflow/trainer (pkg/runtime/framework/plugins/torch/torch.go, pkg/constants): the webhook
-refuses a TrainJob whose trainer sets any of torchrun's reserved variables; the plugin appends PET_NNODES
+Transcribed from kubeflow/trainer v2.3.0 (pkg/runtime/framework/plugins/torch/torch.go, .../jobset/jobset.go,
+pkg/constants): the webhook refuses a TrainJob whose trainer sets any of torchrun's reserved variables, and runtime
+patches whose manager is not a domain-prefixed path or that name a job or container the runtime does not have (the
+torch-distributed runtime: the job ``node`` and its one container ``node``) or give that container variables (those
+are the trainer's); the plugin appends PET_NNODES
 (numNodes), PET_NPROC_PER_NODE, PET_NODE_RANK (the Job's completion index), PET_MASTER_ADDR (node 0's name under
 the JobSet's headless Service) and PET_MASTER_PORT (29500) after the trainer's own env. Each pod's host name is
 ``<jobset>-<replicated job>-<job index>-<pod index>`` (its name adds a random suffix, which nothing here reads; a
@@ -15,18 +18,49 @@ the patches give it.
 from __future__ import annotations
 
 import copy
+import re
 
 from tests.support.k8s_operator import Obj, PodPlan
 
 NODE = "node"  # the runtime's replicated job and the trainer's container
 TRAINER_PORT = 29500  # constants.ContainerTrainerPort
 RESERVED = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT")
+# k8s.io/apimachinery's validation.IsDomainPrefixedPath: an RFC 1123 subdomain, "/", HTTP path characters.
+_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_HTTP_PATH = re.compile(r"[A-Za-z0-9/\-._~%!$&'()*+,;=:]+")
 
 
 def admission_errors(trainjob: Obj) -> list[str]:
-    """The torch plugin's refusals (Validate): each one means `kubectl apply` fails."""
+    """The refusals of the torch and JobSet plugins (Validate): each one means `kubectl apply` fails."""
     reserved = sorted({entry["name"] for entry in trainjob["spec"]["trainer"].get("env", [])} & set(RESERVED))
-    return [f"spec.trainer.env: must not have reserved envs, invalid envs configured: {reserved}"] if reserved else []
+    errors = [f"spec.trainer.env: must not have reserved envs, invalid envs configured: {reserved}"] if reserved else []
+    for patch in trainjob["spec"].get("runtimePatches", []):
+        errors += _runtime_patch_errors(patch)
+    return errors
+
+
+def _runtime_patch_errors(patch: Obj) -> list[str]:
+    errors = []
+    host, _, path = patch.get("manager", "").partition("/")
+    if not (len(host) <= 253 and _SUBDOMAIN.fullmatch(host) and _HTTP_PATH.fullmatch(path)):
+        errors.append(f"spec.runtimePatches.manager: Invalid value: {patch.get('manager', '')!r}: must be a "
+                      'domain-prefixed path (such as "acme.io/foo")')
+    jobs = patch.get("trainingRuntimeSpec", {}).get("template", {}).get("spec", {}).get("replicatedJobs", [])
+    for job in jobs:
+        if job["name"] != NODE:
+            errors.append("spec.runtimePatches: must not have replicated job that doesn't exist in the runtime job "
+                          "template")
+            continue
+        pod = job.get("template", {}).get("spec", {}).get("template", {}).get("spec", {})
+        for kind in ("initContainers", "containers"):
+            for container in pod.get(kind, []):
+                if container["name"] != NODE:
+                    errors.append(f"spec.runtimePatches: must not have {kind.removesuffix('s')} that doesn't exist "
+                                  f"in the runtime job {NODE}")
+                elif container.get("env"):
+                    errors.append("spec.runtimePatches: must not have envs for the dataset-initializer, "
+                                  "model-initializer, node containers")
+    return errors
 
 
 def pod_plans(trainjob: Obj) -> list[PodPlan]:

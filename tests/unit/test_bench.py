@@ -15,6 +15,7 @@ import torch
 from bench import run as bench_run
 from bench.harness.context import Context
 from bench.harness.results import FigureResult, Goal, Row, read_json
+from devtools.s3_server import ServerDied
 from tests.support.preconditions import unavailable
 
 
@@ -83,6 +84,28 @@ def test_a_failing_figure_is_recorded_and_the_others_are_still_written(tmp_path,
     by_key = {figure.key: figure for figure in figures}
     assert by_key["scaling"].error == "RuntimeError: no rendezvous"
     assert by_key["accuracy"].rows[0].ratio == 0.55
+
+
+def test_a_figure_whose_server_died_is_measured_once_more_and_says_so(tmp_path, monkeypatch):
+    calls = []
+
+    def server_dies_once(ctx: Context) -> FigureResult:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ServerDied("moto_server on http://127.0.0.1:1 exited with -9 while in use")
+        return fake_figures()[1]
+
+    def server_always_dies(ctx: Context) -> FigureResult:
+        raise ServerDied("moto_server exited with -9 while in use")
+
+    monkeypatch.setitem(bench_run.FIGURES, "accuracy", ("Time to accuracy", server_dies_once))
+    monkeypatch.setitem(bench_run.FIGURES, "scaling", ("Scaling efficiency on CPU", server_always_dies))
+    code = bench_run.main(["--quick", "--only", "accuracy", "--only", "scaling", "--output-dir", str(tmp_path)])
+    assert code == 1 and len(calls) == 2  # a second death fails the figure: retried once, never more
+    by_key = {figure.key: figure for figure in read_json(tmp_path / "results.json")[1]}
+    assert by_key["accuracy"].rows[0].ratio == 0.55
+    assert "exited with -9" in by_key["accuracy"].details["retried_after"]
+    assert by_key["scaling"].error.startswith("ServerDied: moto_server exited")
 
 
 @pytest.mark.parametrize("quick", [True, False])

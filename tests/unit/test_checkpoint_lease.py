@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import tomllib
 from importlib.metadata import version as fsspec_version
+from pathlib import Path
 
 import fsspec
 import pytest
@@ -39,12 +41,15 @@ class Clock:
             happening()
 
 
-@pytest.fixture(params=["local", "fsspec", "s3"])
+@pytest.fixture(params=["local", "fsspec", "s3", "azure"])
 def location(request: pytest.FixtureRequest, tmp_path) -> str:
     # fsspec's local filesystem: the object-store code path (exclusive "xb" opens) on a real disk; s3: a real
-    # S3-compatible server (conditional writes, If-None-Match: *) through s3fs.
+    # S3-compatible server (conditional writes, If-None-Match: *) through s3fs; azure: a real Azure Blob Storage
+    # server (Azurite; the same header on the commit of a block list) through adlfs.
     if request.param == "s3":
         return f"s3://{request.getfixturevalue('s3_env').new_bucket()}/ckpt"
+    if request.param == "azure":
+        return f"az://{request.getfixturevalue('azure_env').new_container()}/ckpt"
     return str(tmp_path / "ckpt") if request.param == "local" else f"local://{tmp_path}/ckpt"
 
 
@@ -223,8 +228,8 @@ def test_a_backend_without_a_real_exclusive_create_is_refused_with_one_line(back
                                 Monitor("accuracy", "max"))
     with pytest.raises(CheckpointError) as refused:
         manager.prepare()
-    assert said in str(refused.value) and "use a local or NFS folder, or s3:// with s3fs>=2024.12.0" in str(
-        refused.value)
+    assert said in str(refused.value) and ("use a local or NFS folder, or an object store through s3fs>=2024.12.0 "
+                                           "or adlfs>=2024.12.0") in str(refused.value)
     assert manager.lease is None
 
 
@@ -238,6 +243,26 @@ def test_an_s3fs_older_than_the_first_with_conditional_writes_is_refused_by_its_
         CheckpointManager(CheckpointConfig(), f"s3://{s3_env.new_bucket()}/ckpt", runtime, LOG,
                           Monitor("accuracy", "max")).prepare()
 
+
+def test_an_adlfs_older_than_the_first_with_an_exclusive_create_is_refused_by_its_release(azure_env, runtime,
+                                                                                           monkeypatch):
+    """Against Azurite: the installed adlfs passes the start's probe; one taken for older than the minimum is
+    refused."""
+    CheckpointManager(CheckpointConfig(), f"az://{azure_env.new_container()}/ckpt", runtime, LOG,
+                      Monitor("accuracy", "max")).prepare()
+    monkeypatch.setitem(storage.EXCLUSIVE_CREATE_SINCE, "adlfs", "2999.1.0")
+    with pytest.raises(CheckpointError, match=rf"adlfs {fsspec_version('adlfs')} cannot create a file only if it "
+                                              r"does not exist.*install adlfs>=2999.1.0"):
+        CheckpointManager(CheckpointConfig(), f"az://{azure_env.new_container()}/ckpt", runtime, LOG,
+                          Monitor("accuracy", "max")).prepare()
+
+
+
+@pytest.mark.parametrize(("extra", "package"), [("s3", "s3fs"), ("azure", "adlfs")])
+def test_each_object_store_extra_installs_a_release_whose_exclusive_create_the_start_accepts(extra, package):
+    extras = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert extras[extra] == [f"{package}>={storage.EXCLUSIVE_CREATE_SINCE[package]}"]
 
 def test_renewals_go_on_after_a_storage_error_that_is_not_an_oserror(tmp_path, monkeypatch):
     """An object store client raises its own errors (botocore's ClientError is no OSError): a renewal that meets

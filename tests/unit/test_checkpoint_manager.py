@@ -21,7 +21,7 @@ import torch
 from tests.support.checkpoint_damage import break_checkpoint, checkpoint_bytes
 from tests.support.checkpoint_reading import state_at, whole
 from trainer.checkpoint import CheckpointManager, Monitor, open_storage, verify
-from trainer.checkpoint.manager import RELEASE_AFTER_STALL_S, InvalidCheckpoint
+from trainer.checkpoint.manager import RELEASE_AFTER_STALL_S, Committed, InvalidCheckpoint
 from trainer.checkpoint.storage import LocalStorage, step_of
 from trainer.config import CheckpointConfig
 from trainer.distributed import Runtime
@@ -718,7 +718,13 @@ def test_on_commit_hears_of_each_save_once_every_rank_knows_it_committed_with_wh
                                                                                            manager_for, tmp_path):
     manager = manager_for(str(tmp_path), async_checkpoint=async_checkpoint)
     heard: list[tuple[int, str | None, dict[str, float]]] = []
-    manager.on_commit = lambda committed: heard.append((committed.step, committed.location, committed.metrics))
+    created: dict[int, float | None] = {}
+
+    def told(committed: Committed) -> None:
+        heard.append((committed.step, committed.location, committed.metrics))
+        created[committed.step] = committed.created_unix
+
+    manager.on_commit = told
     manager.save(state_at(1))
     # Asynchronous: the write may still be running, so nothing is told until the next save or finish collects it.
     assert heard == ([] if async_checkpoint else [(1, f"{tmp_path}/step-00000001", {})])
@@ -727,6 +733,9 @@ def test_on_commit_hears_of_each_save_once_every_rank_knows_it_committed_with_wh
     manager.finish()
     manager.finish()  # told once
     assert heard == [(1, f"{tmp_path}/step-00000001", {}), (2, f"{tmp_path}/step-00000002", {"accuracy": 0.5})]
+    # When each was committed, not when every rank learnt of it (an asynchronous save's, at the next save).
+    assert created == {step: json.loads((tmp_path / f"step-0000000{step}" / "manifest.json").read_text())
+                       ["created_unix"] for step in (1, 2)}
 
 
 def test_on_commit_hears_nothing_of_a_save_that_failed(manager_for, tmp_path):

@@ -206,6 +206,52 @@ def test_a_storage_clients_own_errors_are_told_apart_by_their_codes():
     assert [is_transient(s3fs_errors.translate_boto_error(error)) for error in minio] == [True, True, False]
 
 
+def wrapped(outer: BaseException, cause: BaseException) -> BaseException:
+    """``raise outer from cause``, as adlfs raises its own errors."""
+    try:
+        raise outer from cause
+    except BaseException as error:  # noqa: BLE001 - the error as raised, its __cause__ set
+        return error
+
+
+def test_azures_errors_are_told_apart_by_their_status_also_where_adlfs_wraps_them():
+    """adlfs wraps a failed upload as ``RuntimeError(f"Failed to upload block: {e}!") from e`` and a container it
+    could not check as ValueError: a generic wrapper, so the azure-core error under it decides. A specific error
+    (its FileExistsError for a lost exclusive create, a PermissionError) decides itself."""
+    azure = pytest.importorskip("azure.core.exceptions")
+
+    def answered(kind: type, status: int, code: str) -> BaseException:
+        response = type("Response", (), {"status_code": status, "reason": code, "headers": {}, "text": lambda self: ""})
+        error = kind(message=code, response=response())
+        error.error_code = code
+        return error
+
+    dropped = azure.ServiceRequestError("Cannot connect to host 127.0.0.1:10000 [Connect call failed]")
+    cut = azure.ServiceResponseError("Server disconnected")
+    busy = answered(azure.HttpResponseError, 503, "ServerBusy")
+    timed_out = answered(azure.HttpResponseError, 500, "OperationTimedOut")
+    throttled = answered(azure.HttpResponseError, 429, "TooManyRequests")
+    slow = answered(azure.HttpResponseError, 408, "RequestTimeout")
+    denied = answered(azure.HttpResponseError, 403, "AuthorizationFailure")
+    unauthenticated = answered(azure.ClientAuthenticationError, 403, "AuthenticationFailed")
+    no_container = answered(azure.ResourceNotFoundError, 404, "ContainerNotFound")
+    exists = answered(azure.ResourceExistsError, 409, "BlobAlreadyExists")
+    errors = [dropped, cut, busy, timed_out, throttled, slow, denied, unauthenticated, no_container, exists]
+    verdicts = [True, True, True, True, True, True, False, False, False, False]
+    assert [is_transient(error) for error in errors] == verdicts
+    assert [is_transient(wrapped(RuntimeError(f"Failed to upload block: {error}!"), error))
+            for error in errors] == verdicts
+    assert [is_transient(wrapped(ValueError(f"Failed to fetch container properties for ckpt for {error}"), error))
+            for error in errors] == verdicts
+    assert is_transient(wrapped(RuntimeError("outer"), wrapped(RuntimeError("Failed to upload block"), dropped)))
+    # adlfs's lost exclusive create (the lease takes it for another job's win) and errors that say what they are.
+    assert not is_transient(wrapped(FileExistsError("ckpt/.lease/holder-00000002.json"), exists))
+    assert not is_transient(wrapped(PermissionError("Azure Container does not exist"), dropped))
+    assert not is_transient(wrapped(CheckpointError("taken over"), dropped))
+    assert not is_transient(RuntimeError("Failed to upload block: no cause!"))
+    assert not is_transient(wrapped(RuntimeError("Failed to upload block"), TypeError("cannot pickle")))
+
+
 def test_whether_a_retry_may_fix_an_error_is_decided_where_it_happened_and_relayed_with_it():
     """DCP relays a rank's error to the others as a plain picklable one (dcp_errors.plain): an s3fs PermissionError
     has no errno, and a botocore ClientError becomes its name and words; the verdict travels with it."""

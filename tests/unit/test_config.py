@@ -164,3 +164,14 @@ def test_out_of_memory_under_a_global_batch_advises_accumulation_not_a_smaller_b
     said = out_of_memory_message(RuntimeError("CUDA out of memory. Tried"), 2, None, global_batch=True)
     assert "; raise --grad-accum-steps (each micro-batch shrinks, the step stays --global-batch-size), " in said
     assert "--batch-size" not in said
+
+
+@pytest.mark.parametrize(("argv", "flag"), [(["--conf", "{file}"], "config"), (["--con={file}"], "config"),
+                                            (["--tas", "classification"], "task")])
+def test_a_shortened_config_or_task_flag_is_refused_not_silently_left_out(argv, flag, tmp_path):
+    """The full parser would take --conf as --config, but the file is read before it, by name: it was dropped."""
+    config_file = tmp_path / "c.yaml"
+    config_file.write_text("epochs: 7\n")
+    with pytest.raises(ConfigError, match=f"^a shortened --{flag} flag is not read: write --{flag} in full$"):
+        parse_config([arg.format(file=config_file) for arg in argv])
+    assert parse_config(["--config", str(config_file)])[0].train.epochs == 7

@@ -7,24 +7,23 @@ import errno
 import socket
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
 
 import pytest
 
-from devtools.processes import clean_env, free_port
+from devtools.processes import REPO_ROOT, clean_env, free_port
 from tests.integration.test_resize import LEDGER
-from trainer.on_ray import (
-    RAY_MISSING,
-    RayRun,
-    _check_reachable,
-    _gave_up,
-    _has_committed,
-    _newest,
-    driving,
-    main,
-    pointed_at,
-    run_on_ray,
-    write_pointer,
-)
+from trainer.on_ray import RayRun, main, run_on_ray
+from trainer.on_ray.cluster import RAY_MISSING, check_reachable
+from trainer.on_ray.driver import _gave_up, _newest
+from trainer.on_ray.driver_lock import driving, locks_only_locally, mount_of
+from trainer.on_ray.paths import as_workers_read_them
+from trainer.on_ray.pointers import pointed_at, write_pointer
+from trainer.on_ray.ray_internals import SUPPORTED_RAY, check_ray_version
+from trainer.on_ray.settings import RayLaunchError
+from trainer.on_ray.shared_storage import MARKER, NotShared, check_this_node, markers
+from trainer.on_ray.worker import has_committed
 
 
 @pytest.fixture(autouse=True)
@@ -79,7 +78,8 @@ def test_a_bad_worker_count_or_size_is_refused(option, value, capsys):
 def test_the_trainers_own_flags_of_the_same_words_pass_through_to_it(monkeypatch):
     """ddp-train's --num-workers (DataLoader workers) and --run-name (the tracker's run) are the trainer's."""
     seen = {}
-    monkeypatch.setattr("trainer.on_ray.run_on_ray", lambda task, argv, ray_run: seen.update(argv=argv, run=ray_run))
+    monkeypatch.setattr("trainer.on_ray.cli.run_on_ray",
+                        lambda task, argv, ray_run: seen.update(argv=argv, run=ray_run))
     main(["--ray-workers", "2:3", "--num-workers", "0", "--run-name", "nightly", "--ray-run-name", "fmnist"])
     assert seen["argv"] == ["--num-workers", "0", "--run-name", "nightly"]
     assert (seen["run"].num_workers, seen["run"].name) == ((2, 3), "fmnist")
@@ -122,7 +122,7 @@ def test_a_second_driver_of_a_running_run_is_refused_and_a_dead_drivers_run_is_f
 HOLD_THE_RUN = """
 import sys, time
 from pathlib import Path
-from trainer.on_ray import driving
+from trainer.on_ray.driver_lock import driving
 with driving(Path(sys.argv[1])):
     print("holding", flush=True)
     time.sleep(60)
@@ -141,7 +141,7 @@ def test_each_report_gets_a_pointer_of_its_own_naming_the_trainers_checkpoint(tm
 @pytest.mark.parametrize("address", ["auto", "local", "", "http://10.255.255.1:8265", "ray-head:6379x"])
 def test_addresses_ray_resolves_itself_are_left_to_it(address):
     """A RayJob's entrypoint may see a dashboard's http:// address; only HOST:PORT and ray://HOST:PORT are tried."""
-    _check_reachable(address)  # no connection attempted: nothing to refuse
+    check_reachable(address)  # no connection attempted: nothing to refuse
 
 
 class FakeWorkerGroupError(Exception):
@@ -178,7 +178,7 @@ def test_a_folder_without_locks_warns_and_runs(tmp_path, monkeypatch, capsys):
     def no_locks(*args: object) -> None:
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr("trainer.on_ray.fcntl.lockf", no_locks)
+    monkeypatch.setattr("trainer.on_ray.driver_lock.fcntl.lockf", no_locks)
     with driving(tmp_path / "run"):
         pass
     assert "warning: cannot lock" in capsys.readouterr().err
@@ -188,9 +188,9 @@ def test_only_a_committed_checkpoint_makes_a_restart_resume_latest(tmp_path):
     """A first save killed before its manifest leaves a folder the trainer removes: the user's --resume stands."""
     (tmp_path / "step-00000008").mkdir()
     (tmp_path / "step-00000008" / "state.pt").write_bytes(b"partial")
-    assert not _has_committed(str(tmp_path))
+    assert not has_committed(str(tmp_path))
     (tmp_path / "step-00000008" / "manifest.json").write_text("{}")
-    assert _has_committed(str(tmp_path))
+    assert has_committed(str(tmp_path))
 
 
 def test_the_last_line_names_what_ray_reported_where_the_driver_cannot_list_the_checkpoints(tmp_path):
@@ -198,3 +198,136 @@ def test_the_last_line_names_what_ray_reported_where_the_driver_cannot_list_the_
     result = type("Result", (), {"checkpoint": type("Checkpoint", (), {"path": str(pointer)})()})()
     line = _newest("nosuchscheme://user:secret@bucket/c", result)
     assert line == "Ray's last report named checkpoint memory://user:***@bucket/c/step-00000004", line
+
+
+# -- the trainer's path flags as the workers read them (trainer/on_ray/paths.py) -----------------------------------
+def test_relative_path_flags_become_the_drivers_absolute_paths_without_a_job_working_dir():
+    argv = ["--config", "cfg.yaml", "--data-dir=data/fmnist", "--checkpoint-dir", "ckpt", "--resume", "latest",
+            "--init-from", "/abs/init", "--output-dir", "s3://bucket/out", "--epochs", "2", "--data-cache-dir", "c"]
+    assert as_workers_read_them(argv, "/home/me/proj", job_working_dir=False) == [
+        "--config", "/home/me/proj/cfg.yaml", "--data-dir=/home/me/proj/data/fmnist", "--checkpoint-dir",
+        "/home/me/proj/ckpt", "--resume", "latest", "--init-from", "/abs/init", "--output-dir", "s3://bucket/out",
+        "--epochs", "2", "--data-cache-dir", "c"]
+    assert as_workers_read_them(["--resume", "runs/x/step-00000004"], "/p", False) == [
+        "--resume", "/p/runs/x/step-00000004"]
+    home = str(Path.home())
+    assert as_workers_read_them(["--checkpoint-dir=~/ck", "--config", "~/c.yaml"], "/p", True) == [
+        f"--checkpoint-dir={home}/ck", "--config", f"{home}/c.yaml"]
+
+
+def test_in_a_job_working_dir_inputs_stay_relative_and_a_relative_output_is_refused():
+    """Each node unpacks the job's --working-dir for itself: inputs mean the same files there, outputs do not."""
+    argv = ["--config", "cfg.yaml", "--data-dir", "data", "--checkpoint-dir", "/shared/ckpt"]
+    assert as_workers_read_them(argv, "/tmp/ray/session/_ray_pkg_1", job_working_dir=True) == argv
+    for flag in ("--checkpoint-dir", "--output-dir"):
+        with pytest.raises(RayLaunchError, match=f"^{flag} ckpt: a relative path is inside the job's --working-dir"):
+            as_workers_read_them([flag, "ckpt"], "/tmp/ray/session/_ray_pkg_1", job_working_dir=True)
+
+
+# -- a run name that cannot resume a stranger -----------------------------------------------------------------------
+def test_each_run_gets_a_name_of_its_own_unless_given_one(monkeypatch):
+    assert RayRun().name != RayRun().name and RayRun().name.startswith("ddp-train-")
+    seen = []
+    monkeypatch.setattr("trainer.on_ray.cli.run_on_ray", lambda task, argv, ray_run: seen.append(ray_run.name))
+    main([])
+    main([])
+    main(["--ray-run-name", "nightly"])
+    assert seen[0] != seen[1] and seen[2] == "nightly"
+
+
+@pytest.mark.parametrize("resume", ["none", "/elsewhere/step-00000002"])
+def test_a_resume_that_would_not_go_on_with_a_runs_own_checkpoints_is_refused(resume, tmp_path, capsys):
+    """The workers resume a run that has checkpoints from its newest: a --resume saying otherwise is refused, not
+    overridden (before: silently overridden, and a finished run's second start trained nothing)."""
+    committed = tmp_path / "fmnist" / "checkpoints" / "step-00000008"
+    committed.mkdir(parents=True)
+    (committed / "manifest.json").write_text("{}")
+    assert run_on_ray(None, [*LEDGER, "--resume", resume], RayRun(name="fmnist", storage_path=str(tmp_path))) == 2
+    assert errors(capsys) == [f"error: --resume {resume}: run fmnist already has checkpoints in "
+                              f"{tmp_path / 'fmnist' / 'checkpoints'}, and a run goes on from its own; for a new run "
+                              f"give a new --ray-run-name (or none: each run gets its own), or drop --resume to go on"]
+
+
+# -- the Ray releases it runs on --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("version", "supported"), [("2.57.2", False), ("2.58.0", True), ("2.59.1", True),
+                                                    ("2.60.0", True), ("2.61.0", False), ("3.0.0.dev0", False)])
+def test_a_ray_release_outside_the_tested_range_is_named_with_the_install_line(version, supported):
+    problem = check_ray_version(version)
+    assert (problem is None) == supported
+    if not supported:
+        assert problem == (f"Ray {version} is not one ddp-train-ray is tested on (>= 2.58.0, < 2.61): pip install "
+                           f"'ray[default,train]>=2.58.0,<2.61' at the version of your cluster")
+
+
+def test_the_ray_extra_is_the_tested_range_with_rays_job_server():
+    """`ray job submit` and a KubeRay RayJob need the dashboard's job server: ray[default], not ray[train] alone."""
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    (extra,) = project["optional-dependencies"]["ray"]
+    low, high = SUPPORTED_RAY
+    assert extra == f"ray[default,train]>={low},<{high}"
+    pinned = [item for item in project["optional-dependencies"]["dev"] if item.startswith("ray[")]
+    assert len(pinned) == 1 and pinned[0].startswith("ray[default,train]==")
+
+
+# -- the driver's lock where the folder's locks are the machine's alone ------------------------------------------------
+MOUNTINFO = """\
+22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
+40 22 0:50 / /shared rw,relatime shared:20 - nfs 10.0.0.5:/export rw,vers=3,nolock,addr=10.0.0.5
+41 22 0:51 / /shared/locked rw,relatime shared:21 - nfs4 10.0.0.6:/export rw,vers=4.2,addr=10.0.0.6
+42 22 0:52 / /local\\040locks rw,relatime shared:22 - nfs 10.0.0.7:/export rw,vers=3,local_lock=posix
+"""
+
+
+def test_an_nfs_mount_whose_locks_are_local_warns_and_the_others_do_not(tmp_path):
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(MOUNTINFO)
+    cases = {"/shared/runs/r": ("/shared", True), "/shared/locked/runs": ("/shared/locked", False),
+             "/local locks/r": ("/local locks", True), "/home/me/r": ("/", False)}
+    for path, (point, local) in cases.items():
+        mount = mount_of(Path(path), mountinfo)
+        assert mount is not None and mount.point == point and locks_only_locally(mount) == local, path
+    assert mount_of(Path("/x"), tmp_path / "absent") is None
+
+
+def test_the_lock_on_a_nolock_mount_warns_in_one_line(tmp_path, capsys):
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(f"22 1 8:1 / / rw - ext4 /dev/sda1 rw\n"
+                         f"40 22 0:50 / {tmp_path} rw - nfs 10.0.0.5:/export rw,vers=3,nolock\n")
+    with driving(tmp_path / "run", mountinfo):
+        pass
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: {tmp_path / 'run'} is on an NFS mount with nolock ({tmp_path}), where locks are this machine's "
+        f"alone: a second driver of this run on another machine would not be refused"]
+
+
+# -- the shared-folder markers (the nodes' own check: tests/deploy/test_ray.py) ---------------------------------------
+def test_a_marker_is_seen_with_its_token_and_removed_after_the_run_and_two_runs_keep_their_own(tmp_path):
+    """Two runs sharing a checkpoint folder: the second's start and end leave the first's marker as it was."""
+    run, checkpoints = tmp_path / "run", tmp_path / "ckpt"
+    with markers([str(run), str(checkpoints), str(run)]) as first:
+        assert first.folders == (str(run), str(checkpoints)) and first.missing_here() is None
+        with markers([str(checkpoints)]) as second:
+            assert second.missing_here() is None and first.missing_here() is None
+        assert first.missing_here() is None, "the second run's end took the first's marker"
+        (checkpoints / f"{MARKER}-{first.token}").unlink()
+        assert first.missing_here() == str(checkpoints)
+        with pytest.raises(NotShared, match=f"does not see {checkpoints} as the driver wrote it"):
+            check_this_node(first)
+    assert not list(run.glob(f"{MARKER}*")) and not list(checkpoints.glob(f"{MARKER}*"))
+
+
+@pytest.mark.parametrize("argv", [["--ray-run-name", ""], ["--ray-run-name="]])
+def test_an_empty_run_name_on_the_command_line_is_refused_not_replaced(argv, tmp_path, capsys):
+    """`--ray-run-name "$RUN"` with RUN unset would otherwise start a new run at every driver restart."""
+    assert main([*argv, "--ray-storage-path", str(tmp_path), *LEDGER]) == 2
+    assert errors(capsys) == ["error: --ray-run-name '': a run's name is one folder name (no '/', not '.' or '..'), "
+                              "its folder STORAGE_PATH/NAME; put any hierarchy in --ray-storage-path"]
+
+
+def test_a_mount_point_with_escapes_and_non_ascii_letters_is_read_as_the_kernel_wrote_it(tmp_path):
+    # The kernel escapes space, tab, newline and backslash in octal, and writes other bytes as they are (UTF-8).
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text("22 1 8:1 / / rw - ext4 /dev/sda1 rw\n"
+                         "40 22 0:50 / /mnt/données\\040x rw - nfs4 10.0.0.5:/e rw,local_lock=posix\n")
+    mount = mount_of(Path("/mnt/données x/run"), mountinfo)
+    assert mount is not None and mount.point == "/mnt/données x" and locks_only_locally(mount)

@@ -153,7 +153,7 @@ def test_a_fault_fails_requests_as_s3fs_shows_them(s3_faults, fs, bucket, kind, 
 
 
 def test_a_fault_ends_after_its_seconds(s3_faults, fs, bucket):
-    fault = s3_faults.fail("error500", 0.5)
+    fault = s3_faults.fail("error500", 2.0)  # longer than the client's own retries, even on a loaded machine
     with pytest.raises(OSError):
         fs.pipe_file(f"{bucket}/a", b"1")
     time.sleep(max(0.0, fault.ends_at - time.monotonic()))

@@ -50,6 +50,9 @@ class Committed:
     epoch: int  # the epochs completed at that step
     metrics: dict[str, float]  # the evaluation's, for a save at the end of an epoch; else empty
     location: str | None = None  # its folder or URL, on rank 0 (which commits); None on the other ranks
+    # When it was committed (its manifest's created_unix), on every rank: under --async-checkpoint, every rank
+    # learns of a commit only at the next save or the run's end, well after it.
+    created_unix: float | None = None
 
 
 class CheckpointManager:
@@ -359,6 +362,8 @@ class CheckpointManager:
             self.committed_step = unconfirmed.step
             if self.lease is not None:
                 self.lease.committed(unconfirmed.step)
+            if self.on_commit is not None:  # the same on every rank: a collective only where someone is told
+                unconfirmed.created_unix = broadcast_from_main(self.writer.last_timing.created_unix, self.runtime)
             self._confirm(unconfirmed)
 
     def _last_committed_said(self) -> str:

@@ -32,6 +32,11 @@ TRANSIENT_TYPE_NAMES = frozenset({"EndpointConnectionError", "ConnectTimeoutErro
                                   "ClientConnectorError", "ClientConnectionError", "ServerTimeoutError",
                                   "ProtocolError", "NewConnectionError", "ServiceRequestError",
                                   "ServiceResponseError", "TransportError", "ConnectionError", "TimeoutError"})
+# Types a client wraps another error in without saying more (adlfs: RuntimeError for a failed upload or removal,
+# ValueError for a container it could not check or create): the error they wrap decides. A specific type
+# (PermissionError, FileNotFoundError, FileExistsError, even without an errno) decides itself.
+GENERIC_WRAPPERS = frozenset({Exception, RuntimeError, ValueError, OSError})
+CHAIN_DEPTH = 8  # links of __cause__/__context__ looked at: a chain is a few wrappers long, never a loop walked forever
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,23 @@ class SaveFailure:
 
 
 def is_transient(error: BaseException) -> bool:
-    """Whether a retry of the save may succeed where this error stopped it."""
+    """Whether a retry of the save may succeed where this error stopped it: the outermost error that says so either
+    way decides; a generic wrapper (adlfs's ``RuntimeError("Failed to upload block: ...") from e``, an OSError
+    without an errno) says nothing of itself, and the error it wraps decides."""
+    link: BaseException | None = error
+    for _ in range(CHAIN_DEPTH):
+        if link is None:
+            break
+        verdict = _verdict(link)
+        if verdict is not None:
+            return verdict
+        link = link.__cause__ or (None if link.__suppress_context__ else link.__context__)
+    return False
+
+
+def _verdict(error: BaseException) -> bool | None:
+    """Whether a retry may fix this error, judged by itself (and its client's code or status on its cause); None
+    where it is a generic wrapper that tells nothing."""
     if isinstance(error, StorageUnavailable):  # said so where it was raised (the storage, the lease's check)
         return True
     if isinstance(error, CheckpointError):  # a lost lease, a refused commit, a checkpoint that cannot be made
@@ -67,7 +88,8 @@ def is_transient(error: BaseException) -> bool:
     if code in TRANSIENT_CODES:
         return True
     # Another store's own code (MinIO's SlowDownWrite, 503): its HTTP status tells. botocore keeps it in the response,
-    # gcsfs and azure on the error.
+    # gcsfs and azure on the error (azure-core's HttpResponseError: 403 AuthorizationFailure, 404 ContainerNotFound,
+    # 409 BlobAlreadyExists are no hiccups; 500 OperationTimedOut, 503 ServerBusy are).
     status = _status(error) or _status(error.__cause__)
     if status is not None:
         return status >= 500 or status in (408, 429)
@@ -77,7 +99,9 @@ def is_transient(error: BaseException) -> bool:
         return True
     if isinstance(error, OSError) and error.errno is not None:
         return error.errno not in PERMANENT_ERRNOS
-    return any(kind.__name__ in TRANSIENT_TYPE_NAMES for kind in type(error).__mro__)
+    if any(kind.__name__ in TRANSIENT_TYPE_NAMES for kind in type(error).__mro__):
+        return True
+    return None if type(error) in GENERIC_WRAPPERS else False
 
 
 def _error_code(error: BaseException | None) -> str | None:

@@ -36,6 +36,7 @@ class SaveTiming:
     write_s: float = 0.0  # serialise + checksum + write + fsync + commit
     bytes: int = 0
     copied_later_bytes: int = 0  # an asynchronous save's tensors copied after save() returned
+    created_unix: float = 0.0  # its manifest's: when it was committed, in Unix time
 
 
 class CheckpointWriter:
@@ -191,8 +192,9 @@ class CheckpointWriter:
             if reason:
                 raise CheckpointError(f"checkpoint {self.storage.describe(name)} was not committed: {reason}")
             written.update(files)
+            self.last_timing.created_unix = time.time()
             manifest = {"format": DCP_FORMAT if shard_files else FORMAT, **manifest_extra,
-                        "created_unix": time.time(), "files": files}
+                        "created_unix": self.last_timing.created_unix, "files": files}
             return json.dumps(manifest, indent=2).encode()
 
         try:

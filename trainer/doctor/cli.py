@@ -16,13 +16,14 @@ from pathlib import Path
 import torch.distributed as dist
 
 from trainer.config import DistConfig
-from trainer.distributed import Runtime, choose_backend, choose_device, process_group
+from trainer.distributed import Runtime, choose_backend, choose_device, open_store, process_group
 from trainer.doctor.bandwidth import Bandwidth, run_bandwidth
-from trainer.doctor.checks import Outcome, Probe, run_checks
+from trainer.doctor.checks import FAIL, Outcome, Probe, run_checks
+from trainer.doctor.driver import driver_outcome, share_driver_rows
 from trainer.doctor.nccl import nccl_facts, nccl_problems
-from trainer.doctor.report import PROG, describe_device, failure_summary, print_report, write_json
+from trainer.doctor.report import PROG, describe_device, failure_summary, print_report, print_tables, write_json
 from trainer.errors import EXIT_FAILURE, EXIT_OK, ConfigError, UserError, described
-from trainer.launchers import identity_from_env
+from trainer.launchers import DistIdentity, identity_from_env
 from trainer.options import add_flags, build, check, option
 from trainer.redact import RedactingArgumentParser
 
@@ -68,8 +69,10 @@ def parse(argv: Sequence[str] | None) -> tuple[DoctorConfig, DistConfig]:
     return doctor, build(DistConfig, dist_values)
 
 
-def diagnose(runtime: Runtime, config: DoctorConfig, probe_type: type[Probe] = Probe) -> int:
-    """Run the checks and the bandwidth test on this rank, then agree with the others on the verdict."""
+def diagnose(runtime: Runtime, config: DoctorConfig, probe_type: type[Probe] = Probe,
+             found_before: Sequence[Outcome] = ()) -> int:
+    """Run the checks and the bandwidth test on this rank, then agree with the others on the verdict.
+    ``found_before``: this rank's checks made before it joined (the CUDA driver's), reported with the rest."""
     identity = runtime.identity
     if runtime.backend == "nccl":
         problems = nccl_preflight(runtime)
@@ -78,14 +81,13 @@ def diagnose(runtime: Runtime, config: DoctorConfig, probe_type: type[Probe] = P
                 print(f"{PROG}: rank {identity.rank}: FAILED: NCCL preflight: {problem}", file=sys.stderr, flush=True)
             return EXIT_FAILURE
     probe = probe_type(identity.rank, identity.world_size, runtime.device)
-    outcomes, in_step = run_checks(probe)
+    checked, in_step = run_checks(probe)
+    outcomes = [*found_before, *checked]
     bandwidths: list[Bandwidth] = []
     if in_step:
         bandwidths, measured = run_bandwidth(probe, config.sizes(), config.iterations)
         outcomes += measured
-    environment = {"rank": identity.rank, "node": identity.node_rank, "local_rank": identity.local_rank,
-                   "host": identity.hostname, "launcher": identity.launcher,
-                   "device": describe_device(runtime.device)}
+    environment = describe_rank(identity, describe_device(runtime.device))
     shared: list[object] = [None] * identity.world_size
     try:
         dist.all_gather_object(shared, (environment, [asdict(outcome) for outcome in outcomes]))
@@ -102,7 +104,8 @@ def diagnose(runtime: Runtime, config: DoctorConfig, probe_type: type[Probe] = P
     if identity.is_main:
         print_report(runtime, environments, everyone, bandwidths, config.iterations)
         if config.json:
-            write_json(config.json, runtime, environments, everyone, bandwidths, ok=not failures)
+            write_json(config.json, identity.world_size, runtime.backend, environments, everyone, bandwidths,
+                       ok=not failures)
     sys.stdout.flush()
     if failures:
         print(f"{PROG}: rank {identity.rank}: FAILED: {failures}", file=sys.stderr, flush=True)
@@ -110,6 +113,29 @@ def diagnose(runtime: Runtime, config: DoctorConfig, probe_type: type[Probe] = P
     if identity.is_main:
         print(f"\n{PROG}: every check passed on {identity.world_size} rank(s)", flush=True)
     return EXIT_OK
+
+
+def describe_rank(identity: DistIdentity, device: str) -> dict[str, object]:
+    return {"rank": identity.rank, "node": identity.node_rank, "local_rank": identity.local_rank,
+            "host": identity.hostname, "launcher": identity.launcher, "device": device}
+
+
+def a_driver_failed(store: dist.Store, identity: DistIdentity, driver: Outcome, device: str, config: DoctorConfig,
+                    dist_config: DistConfig) -> bool:
+    """Every rank's CUDA driver row shared before joining (trainer.doctor.driver): where one failed, rank 0 prints
+    the tables and every rank the failure, and none joins."""
+    rows = share_driver_rows(store, identity, describe_rank(identity, device), driver, dist_config.rendezvous_timeout_s)
+    if not rows.failed:
+        return False
+    if identity.is_main:
+        environments = [environment for environment, _ in rows.everyone]
+        outcomes = [outcome for _, outcome in rows.everyone]
+        print_tables(identity, "group not joined", environments, outcomes)
+        if config.json:
+            write_json(config.json, identity.world_size, None, environments, outcomes, [], ok=False)
+        sys.stdout.flush()
+    print(f"{PROG}: rank {identity.rank}: FAILED: {failure_summary(rows.failed)}", file=sys.stderr, flush=True)
+    return True
 
 
 def nccl_preflight(runtime: Runtime) -> list[str]:
@@ -129,12 +155,23 @@ def run(config: DoctorConfig, dist_config: DistConfig, environ: Mapping[str, str
     identity = identity_from_env(environ, master_port=dist_config.master_port)
     if identity.is_main and config.json and not Path(config.json).resolve().parent.is_dir():
         raise ConfigError(f"--json {config.json}: folder {Path(config.json).resolve().parent} does not exist")
-    device = choose_device(dist_config, identity)
-    # Printed before joining: when the rendezvous never completes, these lines show who arrived.
-    print(f"{PROG}: {identity.describe()}; device {describe_device(device)}, "
-          f"backend {choose_backend(dist_config, device)}: joining the group", flush=True)
-    with process_group(dist_config, identity, device) as runtime:
-        return diagnose(runtime, config, probe_type)
+    driver = driver_outcome(identity.rank, dist_config.device)
+    device = None
+    if driver.status == FAIL:
+        print(f"{PROG}: rank {identity.rank}: FAILED: CUDA driver: {driver.detail}", file=sys.stderr, flush=True)
+    else:
+        device = choose_device(dist_config, identity)
+        # Printed before joining: when the rendezvous never completes, these lines show who arrived.
+        print(f"{PROG}: {identity.describe()}; device {describe_device(device)}, "
+              f"backend {choose_backend(dist_config, device)}: joining the group", flush=True)
+    store = open_store(dist_config, identity) if identity.world_size > 1 else None
+    described_device = "none" if device is None else describe_device(device)
+    if store is not None and a_driver_failed(store, identity, driver, described_device, config, dist_config):
+        return EXIT_FAILURE
+    if device is None:  # one rank, whose driver failed: nobody waits for it
+        return EXIT_FAILURE
+    with process_group(dist_config, identity, device, store) as runtime:
+        return diagnose(runtime, config, probe_type, [driver])
 
 
 def main(argv: Sequence[str] | None = None, probe_type: type[Probe] = Probe) -> int:

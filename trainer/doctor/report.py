@@ -14,6 +14,7 @@ from trainer.distributed import Runtime
 from trainer.doctor.bandwidth import Bandwidth
 from trainer.doctor.checks import FAIL, NOT_RUN, OK, SKIP, Outcome
 from trainer.errors import ConfigError
+from trainer.launchers import DistIdentity
 
 PROG = "ddp-doctor"
 
@@ -65,15 +66,7 @@ def failure_summary(outcomes: Sequence[Outcome]) -> str:
 
 def print_report(runtime: Runtime, environments: Sequence[Mapping[str, object]], outcomes: Sequence[Outcome],
                  bandwidths: Sequence[Bandwidth], iterations: int) -> None:
-    identity = runtime.identity
-    # Hosts as they answered, not the launcher's node count: plain RANK/WORLD_SIZE launches cannot know it.
-    hosts = len({env["host"] for env in environments})
-    print(f"\n{PROG}: {identity.world_size} rank(s) on {hosts} host(s), backend {runtime.backend}, "
-          f"master {identity.master_addr}:{identity.master_port}, torch {torch.__version__}")
-    columns = ("rank", "node", "local_rank", "host", "launcher", "device")
-    print(table(columns, [[str(env[column]) for column in columns] for env in environments]))
-    print()
-    print(table(("rank", "op", "result", "time_ms", "detail"), check_rows(outcomes, identity.world_size)))
+    print_tables(runtime.identity, f"backend {runtime.backend}", environments, outcomes)
     if bandwidths:
         print(f"\nall_reduce bandwidth: float32, {iterations} iteration(s) per size, slowest rank; "
               f"busbw = algbw x 2(n-1)/n; MB = 10^6 bytes")
@@ -82,10 +75,24 @@ def print_report(runtime: Runtime, environments: Sequence[Mapping[str, object]],
                      for b in bandwidths]))
 
 
-def write_json(path: str, runtime: Runtime, environments: Sequence[Mapping[str, object]],
+def print_tables(identity: DistIdentity, group: str, environments: Sequence[Mapping[str, object]],
+                 outcomes: Sequence[Outcome]) -> None:
+    """Who the ranks are and what each check found; ``group``: its backend, or why it was not joined."""
+    # Hosts as they answered, not the launcher's node count: plain RANK/WORLD_SIZE launches cannot know it.
+    hosts = len({env["host"] for env in environments})
+    print(f"\n{PROG}: {identity.world_size} rank(s) on {hosts} host(s), {group}, "
+          f"master {identity.master_addr}:{identity.master_port}, torch {torch.__version__}")
+    columns = ("rank", "node", "local_rank", "host", "launcher", "device")
+    print(table(columns, [[str(env[column]) for column in columns] for env in environments]))
+    print()
+    print(table(("rank", "op", "result", "time_ms", "detail"), check_rows(outcomes, identity.world_size)))
+
+
+def write_json(path: str, world_size: int, backend: str | None, environments: Sequence[Mapping[str, object]],
                outcomes: Sequence[Outcome], bandwidths: Sequence[Bandwidth], ok: bool) -> None:
+    """``backend``: None where the group was not joined."""
     report: dict[str, Any] = {
-        "ok": ok, "world_size": runtime.identity.world_size, "backend": runtime.backend,
+        "ok": ok, "world_size": world_size, "backend": backend,
         "torch": torch.__version__, "ranks": list(environments), "checks": [asdict(outcome) for outcome in outcomes],
         "bandwidth": [asdict(bandwidth) for bandwidth in bandwidths],
     }

@@ -22,10 +22,11 @@ from trainer.launchers.single import SingleProcess
 from trainer.launchers.slurm import SlurmBatchScript, SlurmTasks
 from trainer.launchers.slurm_torchrun import TorchrunUnderSlurm
 from trainer.launchers.torchrun import ELASTIC_AGENT_ENV, Torchrun
-from trainer.launchers.trainjob import TrainJob
+from trainer.launchers.trainjob import StatusServer, TrainJob, status_server_from_env
 
 __all__ = ["ELASTIC_AGENT_ENV", "LAUNCHERS", "LAUNCHER_PREFIXES", "LAUNCHER_VARIABLES", "DistIdentity", "LaunchEnv",
-           "Launcher", "identity_from_env", "is_loopback", "launcher_of", "without_launcher_variables"]
+           "Launcher", "StatusServer", "identity_from_env", "is_loopback", "launcher_of", "status_server_from_env",
+           "without_launcher_variables"]
 
 LAUNCHERS: tuple[Launcher, ...] = (RayTrain(), TorchrunUnderSlurm(), Torchrun(), PyTorchJob(), PlainEnvironment(),
                                    SlurmTasks(), SlurmBatchScript(), TrainJob(), SingleProcess())

@@ -1,4 +1,4 @@
-"""Checkpoints at any fsspec URL (s3://, gs://, memory://): the manifest, written last into a save's own folder,
+"""Checkpoints at any fsspec URL (s3://, az://, memory://): the manifest, written last into a save's own folder,
 commits one."""
 
 from __future__ import annotations
@@ -17,9 +17,13 @@ from trainer.object_store_client import bounded_options, without_own_retries
 from trainer.redact import redact
 
 # The first releases whose exclusive create ("xb") is a conditional write on the store (If-None-Match: *),
-# read in their source: before, s3fs wrote over an existing object. Other backends are tried (see
+# read in their source: before, s3fs wrote over an existing object, and adlfs (az://, abfs://) had no "xb" (its
+# block list's commit carries the header since 2024.12.0). Other backends are tried (see
 # FsspecStorage._check_exclusive_create).
-EXCLUSIVE_CREATE_SINCE = {"s3fs": "2024.12.0"}
+EXCLUSIVE_CREATE_SINCE = {"s3fs": "2024.12.0", "adlfs": "2024.12.0"}
+# What a refusal offers instead: every backend above, at its release.
+WITH_EXCLUSIVE_CREATE = "an object store through " + " or ".join(
+    f"{package}>={release}" for package, release in EXCLUSIVE_CREATE_SINCE.items())
 # A request to the store: attempts (botocore's backoff between them) and its connect/read timeout. A part of a
 # checkpoint's upload is answered well within the timeout at any usable bandwidth.
 CLIENT_ATTEMPTS = 3
@@ -50,7 +54,7 @@ class FsspecStorage(CheckpointStorage):
             self.fs, self.root = fsspec.core.url_to_fs(
                 location, use_listings_cache=False,
                 **bounded_options(protocol, CLIENT_ATTEMPTS, CLIENT_REQUEST_TIMEOUT_S))
-            without_own_retries(self.fs)
+            without_own_retries(self.fs, CLIENT_ATTEMPTS, CLIENT_REQUEST_TIMEOUT_S)
         except (ImportError, ValueError) as error:
             raise CheckpointError(
                 f"--checkpoint-dir {location}: no filesystem for this URL ({error}); install the fsspec "
@@ -128,6 +132,13 @@ class FsspecStorage(CheckpointStorage):
             self.fs.rm(self._path(name, MANIFEST))
         self.fs.rm(self._path(name), recursive=True)
 
+    def _remove_quietly(self, name: str) -> None:
+        # A failed save's folder, removed on the way out of that failure: whatever the store says then must not
+        # take the place of the save's own error. adlfs raises azure-core's errors, not OSErrors; the next start
+        # removes what is left (remove_temporaries).
+        with contextlib.suppress(Exception):  # noqa: BLE001 - fsspec backends raise their own exception types
+            self.remove(name)
+
     def check_writable(self) -> None:
         probe = self._path(f"{TEMP_PREFIX}probe-{uuid.uuid4().hex[:8]}")
         try:
@@ -162,8 +173,7 @@ class FsspecStorage(CheckpointStorage):
             raise CheckpointError(
                 f"--checkpoint-dir {self.location}: {type(self.fs).__name__} has no exclusive create "
                 f"({error or type(error).__name__}), which the checkpoint folder's lease needs (so that two jobs "
-                f"never share a folder); use a local or NFS folder, or s3:// with "
-                f"s3fs>={EXCLUSIVE_CREATE_SINCE['s3fs']}") from None
+                f"never share a folder); use a local or NFS folder, or {WITH_EXCLUSIVE_CREATE}") from None
         finally:
             with contextlib.suppress(Exception):
                 self.fs.rm(self._path(folder), recursive=True)
@@ -171,12 +181,12 @@ class FsspecStorage(CheckpointStorage):
             raise CheckpointError(
                 f"--checkpoint-dir {self.location}: {type(self.fs).__name__} wrote over a file that its exclusive "
                 f"create should have refused, so two jobs could both take the checkpoint folder's lease; use a local "
-                f"or NFS folder, or s3:// with s3fs>={EXCLUSIVE_CREATE_SINCE['s3fs']} on a store with conditional "
-                f"writes")
+                f"or NFS folder, or {WITH_EXCLUSIVE_CREATE} on a store with conditional writes")
 
     def create_exclusive(self, name: str, filename: str, data: bytes) -> bool:
-        # fsspec's exclusive mode: O_EXCL on local files, a conditional write (If-None-Match: *) in s3fs,
-        # checked as the upload completes, so the content is whole when the file appears.
+        # fsspec's exclusive mode: O_EXCL on local files, a conditional write (If-None-Match: *) in s3fs and in
+        # adlfs (on the commit of the block list), checked as the upload completes, so the content is whole when
+        # the file appears.
         self.fs.makedirs(self._path(name), exist_ok=True)
         try:
             with self.fs.open(self._path(name, filename), "xb") as handle:

@@ -79,7 +79,7 @@ class ShardStore:
             except (ImportError, ValueError) as error:
                 raise DataError(f"--data-dir {self.shown}: no filesystem for this URL ({error}); install its fsspec "
                                 f"package (s3fs for s3://, gcsfs for gs://) or use a local folder") from None
-            without_own_retries(fs)
+            without_own_retries(fs, 1, self.retry.request_timeout_s)
             # The client last, ready: another thread's check without the lock sees it whole or not at all.
             self._root, self._pid = root.rstrip("/"), os.getpid()
             self._fs = fs

@@ -1,0 +1,5 @@
+import sys
+
+from trainer.on_ray.cli import main
+
+sys.exit(main())
