@@ -76,6 +76,15 @@ def still_serving(process: subprocess.Popen[bytes], port: int, exit_wait_s: floa
     return False
 
 
+def forget_cached_s3_filesystems() -> None:
+    """fsspec gives back one S3FileSystem per set of options, and the endpoint is not among them (botocore reads
+    AWS_ENDPOINT_URL): a folder opened under a new server would get the instance made under an older one, whose
+    server is gone. Bench figure 17 was refused so after figure 14's, in one process, in every CI run of both."""
+    import s3fs  # here: only the S3 tests and figures need it
+
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
 @contextlib.contextmanager
 def s3_server(timeout_s: float = 60) -> Iterator[S3Server]:
     port = free_port()
@@ -89,6 +98,7 @@ def s3_server(timeout_s: float = 60) -> Iterator[S3Server]:
     try:
         wait_until_answers(process, f"{endpoint}/moto-api/", "moto_server", timeout_s,
                            output=lambda: log.read_text(errors="replace"))
+        forget_cached_s3_filesystems()
         try:
             yield S3Server(process, endpoint, log)
         except BaseException as failure:
@@ -99,6 +109,7 @@ def s3_server(timeout_s: float = 60) -> Iterator[S3Server]:
                                  f"ends: {log.read_text(errors='replace')[-1500:]!r})") from failure
             raise
     finally:
+        forget_cached_s3_filesystems()
         with contextlib.suppress(ProcessLookupError):
             os.kill(process.pid, signal.SIGCONT)
         kill_session(process)

@@ -47,3 +47,16 @@ def test_a_failure_after_the_server_stopped_is_server_died_and_one_while_it_serv
         server.process.wait(timeout=30)
         raise ConnectionRefusedError("refused")
     assert isinstance(died.value.__cause__, ConnectionRefusedError)
+
+
+def test_a_folder_opened_under_a_second_server_in_one_process_reaches_that_server():
+    """As the bench runs figure 14 and then 17: without the cache cleared, the second open got the first server's
+    filesystem back, and the upload was refused by its closed port."""
+    from bench.harness.launch import environment
+    from trainer.checkpoint import open_storage
+
+    for _ in range(2):
+        with s3_server() as server, environment(server.env):
+            storage = open_storage(f"s3://{server.new_bucket()}/ckpt")
+            storage.fs.pipe_file(f"{storage.root}/raw.bin", b"saved")
+            assert storage.fs.cat_file(f"{storage.root}/raw.bin") == b"saved"
