@@ -60,9 +60,9 @@ class S3Server:
 
 def still_serving(process: subprocess.Popen[bytes], port: int, exit_wait_s: float = 10) -> bool:
     """Whether the server ``process`` still listens on ``port``. Its exit code alone misses a server on its way
-    out: werkzeug closes the listening socket first and the interpreter's exit follows (CI saw a refused
-    connection while the process was still there). A frozen server (``stopped``) still listens: the kernel
-    accepts for it."""
+    out: werkzeug closes the listening socket first and the interpreter's exit follows. A frozen server
+    (``stopped``) still listens: the kernel accepts for it. (The refusals CI saw in bench figure 17 were not a
+    dying server but an older server's port: see forget_cached_s3_filesystems.)"""
     if process.poll() is None:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=5).close()
