@@ -52,9 +52,19 @@ $(AZURITE):
 
 azurite: $(AZURITE) ## install Azurite (npm) for the tests of checkpoints in Azure Blob Storage
 
+# The suite in two parts (tests/conftest.py): the multi-process tests on TEST_WORKERS pytest-xdist workers, a file
+# whole on one of them (the files on fixed ports all on one), then unit/ and the timing-sensitive files (marked
+# serial) alone. Both parts always run; the exit status is the first failure's. A part that PYTEST_ARGS leaves empty
+# (pytest's 5: no tests) fails only if the other part is empty too.
+TEST_WORKERS ?= 2
 test: venv azurite ## lint, then the whole test suite (Docker tests run where an engine answers; .ci/run starts one)
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q -ra $(PYTEST_ARGS)
+	@parallel=0; serial=0; \
+	set -x; $(BIN)/pytest -q -ra -n $(TEST_WORKERS) --dist loadfile -m "not serial and not gpu" $(PYTEST_ARGS) \
+	  || parallel=$$?; \
+	$(BIN)/pytest -q -ra -m "serial and not gpu" $(PYTEST_ARGS) || serial=$$?; set +x; \
+	if [ $$parallel = 5 ] && [ $$serial = 5 ]; then exit 5; fi; \
+	for status in $$parallel $$serial; do [ $$status = 0 ] || [ $$status = 5 ] || exit $$status; done
 
 test-fast: venv azurite ## lint and the quick tests (unit tests and the launchers' file checks; under a minute)
 	$(BIN)/ruff check .

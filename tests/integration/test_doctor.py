@@ -12,6 +12,9 @@ import pytest
 
 from devtools.processes import env_ranks, free_port, run, torchrun
 
+# Timing-sensitive (a rendezvous timeout of 1 s, timed collectives): never run beside other tests (tests/conftest.py).
+pytestmark = pytest.mark.serial
+
 QUICK = ["--sizes-mb", "0.01,0.1", "--iterations", "2", "--collective-timeout-s", "30"]
 OPS = ("send_recv", "broadcast", "reduce", "all_reduce_sum", "all_reduce_product", "all_reduce_max",
        "all_reduce_min", "gather", "all_gather", "scatter", "barrier")

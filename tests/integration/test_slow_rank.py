@@ -8,7 +8,12 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 from devtools.processes import torchrun
+
+# Timing-sensitive (step times compared across ranks): never run beside other tests (tests/conftest.py).
+pytestmark = pytest.mark.serial
 
 EVEN, SLOWED = 150, 50
 RUN = ["--task", "tests.support.slow_tasks:SlowRankTask", "--dataset", "synthetic", "--synthetic-shape", "1,16,16",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import s3fs
 
 from devtools.processes import env_ranks
@@ -15,6 +16,9 @@ from trainer.checkpoint import open_storage, verify
 from trainer.checkpoint.manager import InvalidCheckpoint, UnknownFormat
 from trainer.checkpoint.storage import step_of
 from trainer.errors import EXIT_PEER_LOST
+
+# Timing-sensitive (a storage timeout of 4 s): never run beside other tests (tests/conftest.py).
+pytestmark = pytest.mark.serial
 
 TIMEOUT_S = 4
 # A run that goes on for minutes unless stopped: a checkpoint at every step. --job-id: the ranks are started by

@@ -12,10 +12,15 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from devtools.processes import REPO_ROOT, clean_env, env_ranks, free_port, kill_session, run, torchrun_command
 from trainer.checkpoint import CheckpointStorage, open_storage, verify
 from trainer.checkpoint.storage import MANIFEST, step_of
 from trainer.errors import EXIT_PEER_LOST, EXIT_PREEMPTED
+
+# Timing-sensitive (collective timeouts of 3 to 4 s): never run beside other tests (tests/conftest.py).
+pytestmark = pytest.mark.serial
 
 TINY = ["--dataset", "synthetic", "--synthetic-train-size", "64", "--synthetic-test-size", "16", "--batch-size", "16",
         "--progress", "off", "--no-tensorboard"]

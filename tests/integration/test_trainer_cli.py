@@ -20,6 +20,9 @@ from tests.support.checkpoint_reading import newest_checkpoint, summary, wait_fo
 from tests.support.preconditions import unavailable
 from trainer.errors import EXIT_PEER_LOST, EXIT_RENDEZVOUS, EXIT_USAGE
 
+# Timing-sensitive (rendezvous timeouts of 1 to 2 s): never run beside other tests (tests/conftest.py).
+pytestmark = pytest.mark.serial
+
 TINY = ["--dataset", "synthetic", "--synthetic-train-size", "192", "--synthetic-test-size", "67", "--batch-size",
         "16", "--epochs", "1", "--progress", "off", "--no-tensorboard"]
 PYTHON = sys.executable

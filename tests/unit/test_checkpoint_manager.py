@@ -12,7 +12,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import fsspec
 import pytest
@@ -38,7 +38,9 @@ ManagerFactory = Callable[..., CheckpointManager]
 
 
 @pytest.fixture
-def manager_for(runtime: Runtime, log: logging.Logger) -> ManagerFactory:
+def manager_for(runtime: Runtime, log: logging.Logger) -> Iterator[ManagerFactory]:
+    made: list[CheckpointManager] = []
+
     def make(location: str, **config: object) -> CheckpointManager:
         # A failed save raises at once, as it would after --max-failed-saves in a row (the tolerance is tested
         # with the option given).
@@ -46,8 +48,13 @@ def manager_for(runtime: Runtime, log: logging.Logger) -> ManagerFactory:
         manager = CheckpointManager(CheckpointConfig(**config), location, runtime, log,  # type: ignore[arg-type]
                                     Monitor("accuracy", "max"))
         manager.prepare()
+        made.append(manager)
         return manager
-    return make
+    yield make
+    # Each lease released, so that no renewal thread outlives its test: one that failed later logged its warning
+    # into another test's captured log (seen in tests/unit/test_trackers.py).
+    for manager in made:
+        manager.close()
 
 
 def save_steps(manager: CheckpointManager, steps: list[int], accuracy: dict[int, float] | None = None) -> None:
