@@ -9,7 +9,7 @@ from __future__ import annotations
 import errno
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -26,15 +26,19 @@ LOG = "save-failures-test"
 
 
 @pytest.fixture
-def manager_for(runtime, caplog) -> Callable[..., CheckpointManager]:
+def manager_for(runtime, caplog) -> Iterator[Callable[..., CheckpointManager]]:
     caplog.set_level(logging.INFO, logger=LOG)
+    made: list[CheckpointManager] = []
 
     def make(location: str, **config: object) -> CheckpointManager:
         manager = CheckpointManager(CheckpointConfig(**config), location, runtime,  # type: ignore[arg-type]
                                     logging.getLogger(LOG), Monitor("accuracy", "max"))
         manager.prepare()
+        made.append(manager)
         return manager
-    return make
+    yield make
+    for manager in made:  # no lease renewal thread outlives its test (as in test_checkpoint_manager.py)
+        manager.close()
 
 
 def failing_state_files(manager: CheckpointManager, monkeypatch: pytest.MonkeyPatch, error: OSError,
