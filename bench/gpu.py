@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from bench.figures import gpu_checkpoint, gpu_input, gpu_loop, gpu_sharded
+from bench.figures import gpu_checkpoint, gpu_compile, gpu_input, gpu_loop, gpu_sharded
 from bench.run import RESULTS_DIR, Suite, run_suite
 
 FIGURES = {
@@ -22,6 +22,7 @@ FIGURES = {
     "gpu-input": (gpu_input.TITLE, gpu_input.run),
     "gpu-checkpoint": (gpu_checkpoint.TITLE, gpu_checkpoint.run),
     "gpu-sharded": (gpu_sharded.TITLE, gpu_sharded.run),
+    "gpu-compile": (gpu_compile.TITLE, gpu_compile.run),
 }
 GPU_SUITE = Suite("bench.gpu", __doc__.split("\n\n")[0], FIGURES, RESULTS_DIR / "gpu",
                   RESULTS_DIR / "raw" / "gpu-quick",

@@ -4,7 +4,7 @@
 # and brings back what finished (a figure cut short loses only itself: results.json is written after each).
 #   GPU_CALL_BUDGET_S  seconds for the whole call (default 540; the device tool's limit is 600)
 #   GPU_SUITE_S        seconds for the suite (default 240; 0 skips it)
-#   GPU_FIGURES        figures in order (default: gpu-loop gpu-checkpoint gpu-sharded gpu-input)
+#   GPU_FIGURES        figures in order (default: gpu-loop gpu-input gpu-sharded gpu-compile gpu-checkpoint)
 set -u
 : "${OUT:?run this through the device tool, which sets OUT}"
 deadline=$((SECONDS + ${GPU_CALL_BUDGET_S:-540}))
@@ -23,10 +23,11 @@ fi
 # would share the GPU with the figures: ended first.
 pkill -9 -f "torch.distributed.run|-m trainer|tests.workers" 2>/dev/null
 nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | xargs -r kill -9 2>/dev/null
-# What each figure took on the H100 (2026-11-25, the call's own timing, a margin added): one that cannot finish
-# in what is left is not started (its partial run would be lost anyway).
-declare -A needs=([gpu-loop]=220 [gpu-checkpoint]=60 [gpu-sharded]=140 [gpu-input]=150)
-for figure in ${GPU_FIGURES:-gpu-loop gpu-checkpoint gpu-sharded gpu-input}; do
+# What each figure takes, a margin added: one that cannot finish in what is left is not started (its partial run
+# would be lost anyway). gpu-loop and gpu-checkpoint as the H100 took them (2026-11-25); gpu-input (now 6 runs, was
+# 4) and gpu-sharded (now 2 more, profiled) scaled from their H100 lengths; gpu-compile never ran: an estimate.
+declare -A needs=([gpu-loop]=220 [gpu-checkpoint]=60 [gpu-sharded]=200 [gpu-input]=210 [gpu-compile]=300)
+for figure in ${GPU_FIGURES:-gpu-loop gpu-input gpu-sharded gpu-compile gpu-checkpoint}; do
   left=$((deadline - SECONDS))
   [ "$left" -ge "${needs[$figure]:-60}" ] || { echo "not started: $figure needs about ${needs[$figure]:-60}s, ${left}s left"; continue; }
   echo "== $figure (at most ${left}s), at ${SECONDS}s"

@@ -240,7 +240,11 @@ def build_training(config: Config, task: RunTask, runtime: Runtime,
     if sync.sharded and identity.is_main:
         log.info("--sync %s: %s", config.train.sync, sync.describe())
     if config.model.compile:
-        wrapped = torch.compile(wrapped)
+        # Under --sync fsdp/hsdp each sharding unit's hooks end a graph, so blocks of one class (a ResNet's) are
+        # compiled one shape at a time; the second shape would make dynamo compile them for dynamic shapes, which
+        # inductor's CPU backend fails on for a bf16 BatchNorm's backward (torch 2.14: "Cannot convert expression
+        # to float"). Compiled for their own shapes instead (ResNet-50: 8 graphs, the recompile limit's 8).
+        wrapped = torch.compile(wrapped, dynamic=False) if sync.sharded else torch.compile(wrapped)
 
     base_lr = config.optim.lr * (identity.world_size if config.optim.scale_lr else 1)
     optimizer = build_optimizer(config.optim, model.parameters(), base_lr)

@@ -57,6 +57,7 @@ class FSDPSync(GradSync):
         self.mesh: DeviceMesh | None = None
         self.units: list[str] = []  # the sharding units' names in the model, for the log and the tests
         self.fp32_norms = 0  # BatchNorm layers computing in fp32 inside their units under a reduced --precision
+        self.reshard_after_forward = True  # False where each shard group has one rank (see wrap)
 
     def device_mesh(self) -> DeviceMesh:
         return init_device_mesh(self.runtime.device.type, (self.runtime.identity.world_size,),
@@ -80,10 +81,15 @@ class FSDPSync(GradSync):
             # want fp32 arithmetic. Each BatchNorm stays in its block's unit (gathered with the block, in the
             # reduced type: no collective of its own) and computes in fp32 from there (compute_norms_in_fp32).
             self.fp32_norms = compute_norms_in_fp32(model, policy.param_dtype)
+        # In a shard group of one rank a unit's shard is the whole of it: resharding after the forward would free
+        # only the gathered copy (under a reduced --precision, the parameters in that type: half their fp32
+        # bytes, ResNet-50's 50 MB) and cost a copy per unit to make it again for the backward. Kept gathered.
+        self.reshard_after_forward = self.mesh.size(self.mesh.ndim - 1) > 1
+        reshard = None if self.reshard_after_forward else False  # None: FSDP's own rule (the root's kept)
         # Innermost first: a unit inside another unit is sharded on its own, and the outer one keeps the rest.
         for module in sorted(units, key=lambda unit: -names[unit].count(".")):
-            fully_shard(module, mesh=self.mesh, mp_policy=policy)
-        fully_shard(model, mesh=self.mesh, mp_policy=policy)
+            fully_shard(module, mesh=self.mesh, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(model, mesh=self.mesh, mp_policy=policy, reshard_after_forward=reshard)
         self.units = [names[unit] for unit in units]
         return model
 
@@ -111,7 +117,8 @@ class FSDPSync(GradSync):
     def describe(self) -> str:
         shape = "x".join(map(str, self.mesh.shape)) if self.mesh is not None else "?"
         norms = f" ({self.fp32_norms} BatchNorm layer(s) computing in fp32)" if self.fp32_norms else ""
-        return f"{len(self.units)} unit(s) and the root{norms}, mesh {shape}"
+        kept = "" if self.reshard_after_forward else ", kept gathered from forward to backward (one rank per shard)"
+        return f"{len(self.units)} unit(s) and the root{norms}, mesh {shape}{kept}"
 
 
 class HSDPSync(FSDPSync):
@@ -145,33 +152,43 @@ def default_units(model: nn.Module) -> list[nn.Module]:
 def compute_norms_in_fp32(model: nn.Module, output_dtype: torch.dtype) -> int:
     """Every BatchNorm of the model computes in fp32 and hands the next layer ``output_dtype``, as autocast has
     it on CUDA. Its parameters arrive gathered in the unit's reduced type (their fp32 master copy is the sharded
-    one the optimizer updates) and are cast up for the computation, with the input; gradients flow back through
-    the casts. A unit of its own per BatchNorm would keep them fp32 but cost two all-gathers and a
-    reduce-scatter per layer and step (ResNet-50: 53 layers). Returns the number of layers changed."""
+    one the optimizer updates) and are cast up for the computation; gradients flow back through the casts. The
+    input stays as it comes (reduced): batch norm's mixed-type kernels (cuDNN's, the CPU's) take a bf16 or fp16
+    input with fp32 parameters and compute the statistics in fp32, which is how BatchNorm runs under autocast
+    with DDP. An fp32 copy of each input, saved for the backward, would hold twice the bytes of every norm's
+    input through the step, and cost a cast each way. A unit of its own per BatchNorm would keep the parameters
+    fp32 but cost two all-gathers and a reduce-scatter per layer and step (ResNet-50: 53 layers). Returns the
+    number of layers changed."""
     norms = [module for module in model.modules() if isinstance(module, _BatchNorm)]
+    # One class per BatchNorm class, shared by its layers: torch.compile guards a module's forward by identity,
+    # so a callable of its own per layer would compile each block again (a ResNet's blocks share one code
+    # object) until dynamo gives up on the rest and runs them eagerly, or turns to dynamic shapes.
+    classes: dict[type, type] = {}
     for norm in norms:
-        norm.forward = _Fp32Forward(norm, output_dtype)  # type: ignore[method-assign]
+        kind = type(norm)
+        if kind not in classes:
+            classes[kind] = type(kind.__name__, (_Fp32Compute, kind), {"__module__": kind.__module__})
+        norm.__class__ = classes[kind]
+        norm.fp32_output_dtype = output_dtype
     return len(norms)
 
 
-class _Fp32Forward:
-    """A BatchNorm's own forward, run on fp32 copies of its input and of the parameters FSDP gathered."""
+class _Fp32Compute:
+    """Put before a BatchNorm class: its own forward, run with fp32 copies of the parameters FSDP gathered, on
+    its input as it comes, handing the next layer ``fp32_output_dtype``."""
 
-    def __init__(self, norm: _BatchNorm, output_dtype: torch.dtype) -> None:
-        self.forward = type(norm).forward
-        self.norm = norm
-        self.output_dtype = output_dtype
+    fp32_output_dtype: torch.dtype
+    _parameters: dict[str, nn.Parameter | None]
 
-    def __call__(self, input: torch.Tensor) -> torch.Tensor:
-        norm = self.norm
-        gathered = {name: value for name, value in norm._parameters.items() if value is not None}
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        gathered = {name: value for name, value in self._parameters.items() if value is not None}
         try:
             for name, value in gathered.items():
-                norm._parameters[name] = value.float()  # type: ignore[assignment]
+                self._parameters[name] = value.float()  # type: ignore[assignment]
             with torch.autocast(input.device.type, enabled=False):
-                return self.forward(norm, input.float()).to(self.output_dtype)
+                return super().forward(input).to(self.fp32_output_dtype)  # type: ignore[misc]
         finally:
-            norm._parameters.update(gathered)  # FSDP's own parameters, for its reshard after the unit's forward
+            self._parameters.update(gathered)  # FSDP's own parameters, for its reshard after the unit's forward
 
 
 def _policy(precision: str) -> MixedPrecisionPolicy:

@@ -5,7 +5,9 @@ All four train on one GPU, one after the other, round after round (bench/workers
 references): the trainer's built-in task with ``--dataset synthetic``, the same generated images held in host
 memory as uint8, torchvision's ResNet-50, fused AdamW, bf16 autocast, channels-last and cuDNN's autotuner
 (the trainer's ``auto`` on CUDA). A run's value is the median samples/s of its metrics windows after the first.
-Memory: the trainer's peak allocated memory (summary.json) over the minimal loop's, same round.
+Memory: the trainer's peak allocated memory (summary.json) over the minimal loop's, same round. Where a speed
+goal is missed, one more trainer run profiles three steady steps (not timed), summarised into results.json's
+details (bench/harness/profile_summary.py): where the time goes.
 
 Smoke mode (``--quick``, CI, on the CPU): torchvision's ResNet-18 on 32x32 images, a few steps; every code
 path runs, and no memory row is measured (the CPU keeps no allocator peak).
@@ -20,6 +22,7 @@ from bench.harness.gpu import GPU_QUIET, ImageNetLike, loop_command, memory_row,
 from bench.harness.launch import run as run_command
 from bench.harness.launch import run_trainer
 from bench.harness.measure import interleave, load_average, median, paired_ratio
+from bench.harness.profile_summary import profile_summary
 from bench.harness.results import FigureResult, Goal, Row
 from bench.workers.gpu_loop import LOOPS
 
@@ -63,4 +66,10 @@ def run(ctx: Context) -> FigureResult:
                            "checkpoint included)", peaks, MEMORY_GOAL))
     details = {"samples_per_s": values, "peak_memory_gib": peaks, "work": work.describe(),
                "load_average": [load_before, load_average()]}
+    if any(row.met is False for row in rows[:len(LABELS)]) or ctx.quick:  # smoke mode: the code path, always
+        first = max(2, work.steps - 3)
+        output = ctx.scratch("gpu-loop-trainer-profiled")
+        run_trainer(work.trainer_args("--profile-steps", f"{first}-{min(work.steps, first + 2)}"), output, None,
+                    ctx.pick(600, 300), quiet=GPU_QUIET)
+        details["profile"] = profile_summary(output)
     return FigureResult(1, "gpu-loop", TITLE, rows, details)

@@ -9,7 +9,7 @@ windows, the first left out.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import count
 from pathlib import Path
 
@@ -58,6 +58,14 @@ def folder_against_memory(ctx: Context, images: Path, common: list[str], name: s
     """The trainer over the image folder (``--dataset imagefolder``) and over the same images decoded in memory
     (bench/workers/in_memory_images.py), alternately for ``rounds``; each run's steady samples/s, and the
     folder / memory ratio round by round."""
+    values = folder_runs(ctx, images, common, name, rounds, timeout_s, {"folder": ()}, quiet)
+    return values, paired_ratio(values["folder"], values["in_memory"])
+
+
+def folder_runs(ctx: Context, images: Path, common: list[str], name: str, rounds: int, timeout_s: float,
+                folders: Mapping[str, Sequence[str]], quiet: Sequence[str] = TRAINER_QUIET) -> dict[str, list[float]]:
+    """The trainer over the image folder once for each of ``folders`` (a name and the flags it adds), and over the
+    same images decoded in memory ("in_memory"), one after the other for ``rounds``: each run's steady samples/s."""
     folder_args = ["--dataset", "imagefolder", "--data-dir", str(images), "--eval-fraction", "0.1", *common]
     memory_args = ["--task", "bench.workers.in_memory_images:InMemoryImages", "--data-dir", str(images), *common]
     runs = count()
@@ -66,6 +74,5 @@ def folder_against_memory(ctx: Context, images: Path, common: list[str], name: s
         output = ctx.scratch(f"{name}-run-{next(runs)}")
         return run_trainer(args, output, None, timeout_s, quiet=quiet).steady_samples_per_s()
 
-    values = interleave({"folder": lambda: measure(folder_args), "in_memory": lambda: measure(memory_args)},
-                        rounds=rounds)
-    return values, paired_ratio(values["folder"], values["in_memory"])
+    arms = {label: (lambda flags=flags: measure([*folder_args, *flags])) for label, flags in folders.items()}
+    return interleave({**arms, "in_memory": lambda: measure(memory_args)}, rounds=rounds)

@@ -521,14 +521,32 @@ def test_compile_over_a_sharded_model_trains_the_same_steps(tmp_path):
     assert_close(newest_checkpoint(tmp_path / "compiled" / "checkpoints")[2], eager)
 
 
+def test_compile_over_a_bf16_sharded_net_whose_blocks_differ_in_shape_trains(tmp_path):
+    """FSDP's units end dynamo's graphs, so blocks of one class at several shapes (a ResNet's stages) compile one
+    shape at a time; compiled for dynamic shapes instead, inductor's CPU backend failed on the bf16 BatchNorm
+    backward (an InductorError, exit 1)."""
+    result = run([sys.executable, "-m", "trainer", "--task", "tests.support.tasks:StagesTask", "--precision", "bf16",
+                  "--batch-size", "8", "--epochs", "1", "--max-steps", "3", "--sync", "fsdp", "--compile",
+                  "--progress", "off", "--no-tensorboard", "--output-dir", str(tmp_path)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert summary(tmp_path)["global_step"] == 3
+
+
 def test_batchnorm_computes_in_fp32_inside_its_block_without_collectives_of_its_own():
     """bf16 FSDP over a net with a BatchNorm in each of its 3 blocks and one at the stem: 4 units (blocks and
     root), so one step gathers each unit for the forward, each but the root again for the backward, and
-    reduce-scatters each once; every batch-norm kernel computes in fp32. A unit per BatchNorm would add 2
-    all-gathers and a reduce-scatter for each of the 4."""
+    reduce-scatters each once. Every batch-norm kernel, forward and backward, takes fp32 parameters with its bf16
+    input, as under autocast with DDP (the mixed-type kernel's statistics are fp32; no fp32 copy of the input is
+    made and saved). A unit per BatchNorm would add 2 all-gathers and a reduce-scatter for each of the 4. At one
+    rank FSDP runs no collective, and the units stay gathered from forward to backward: 4 unshards, not 7."""
     result = torchrun(["bf16"], nproc=2, module="tests.workers.fsdp_collectives")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "units 4 all-gathers 7 reduce-scatters 4 batchnorm-compute float32" in result.stdout, result.stdout
+    assert ("units 4 all-gathers 7 reduce-scatters 4 unshards 7 batchnorm-compute bfloat16/float32"
+            in result.stdout), result.stdout
+    alone = torchrun(["bf16"], nproc=1, module="tests.workers.fsdp_collectives")
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert ("units 4 all-gathers 0 reduce-scatters 0 unshards 4 batchnorm-compute bfloat16/float32"
+            in alone.stdout), alone.stdout
 
 
 def test_each_async_sharded_save_holds_one_step_with_adamw_and_batchnorm(tmp_path):

@@ -86,3 +86,19 @@ def write_image_folder(root: Path, classes: dict[str, int], size: tuple[int, int
             base[number % 3] = 160 + 40 * (number // 3)
             pixels = (base + 30 * torch.rand(3, *size, generator=generator)).clamp(0, 255).to(torch.uint8)
             Image.fromarray(pixels.permute(1, 2, 0).numpy()).save(folder / f"{index:03d}.{fmt}")
+
+
+def jpeg_bytes(height: int, width: int, mode: str = "RGB", seed: int = 0, **save: object) -> bytes:
+    """One picture encoded by Pillow (JPEG unless ``format=`` says otherwise; ``mode`` L, RGB or CMYK): a smooth
+    gradient with some noise, a photo's statistics more than pure noise."""
+    from PIL import Image
+
+    channels = {"L": 1, "RGB": 3, "CMYK": 4}[mode]
+    generator = torch.Generator().manual_seed(seed)
+    ramp = torch.linspace(20, 220, width).repeat(height, 1)[None].repeat(channels, 1, 1)
+    pixels = (ramp + 25 * torch.rand(channels, height, width, generator=generator)).clamp(0, 255).to(torch.uint8)
+    array = pixels.permute(1, 2, 0).numpy()
+    buffer = io.BytesIO()
+    Image.fromarray(array[:, :, 0] if channels == 1 else array, mode).save(buffer, format=save.pop("format", "JPEG"),
+                                                                             **save)
+    return buffer.getvalue()

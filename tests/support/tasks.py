@@ -311,3 +311,24 @@ class OutOfMemoryTask(ViewTask):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 TiB. GPU 0 has a total "
                                          "capacity of 0 bytes (raised by the test task on the CPU)")
         return super().loss(outputs, targets)
+
+
+class Stage(nn.Module):
+    """A convolution and a BatchNorm: one class, used at several widths and strides by StagesTask."""
+
+    def __init__(self, channels_in: int, channels_out: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels_in, channels_out, 3, stride=stride, padding=1, bias=False)
+        self.norm = nn.BatchNorm2d(channels_out)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.norm(self.conv(inputs)))
+
+
+class StagesTask(ViewTask):
+    """Blocks of one class at different shapes (each stage halves the image), as a ResNet's stages are: under
+    --sync fsdp each is a unit, and torch.compile sees the block's forward once per shape."""
+
+    def model(self, data: TaskData) -> nn.Module:
+        return nn.Sequential(Stage(1, 4), Stage(4, 8, stride=2), Stage(8, 8, stride=2), nn.AdaptiveAvgPool2d(1),
+                             nn.Flatten(), nn.Linear(8, 2))

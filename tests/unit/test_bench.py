@@ -137,3 +137,46 @@ def test_the_gpu_memory_row_pairs_rounds_and_says_why_it_is_empty():
     assert "a 2.65 GiB, b 2.00 GiB" in row.notes
     empty = memory_row("a / b", {"a": [None], "b": [1.0]})
     assert empty.ratio is None and "no CUDA device" in empty.notes
+
+
+def test_a_profile_is_summarised_from_a_real_trace_and_an_allocator_history(tmp_path):
+    """The trace is torch.profiler's own (CPU ops here, one step range); the history is in the format torch's
+    _dump_snapshot writes (torch/cuda/memory.py documents it), which a CPU cannot produce."""
+    import pickle
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from bench.harness.profile_summary import memory_summary, profile_summary
+
+    folder = tmp_path / "profiles"
+    folder.mkdir()
+    with profile(activities=[ProfilerActivity.CPU]) as profiled:
+        for step in (2, 3):
+            with record_function(f"ProfilerStep#{step}"), record_function("FSDP::pre_forward"):
+                torch.ones(64, 64) @ torch.ones(64, 64)
+    profiled.export_chrome_trace(str(folder / "rank-0.pt.trace.json"))
+    trace = profile_summary(tmp_path)["trace"]
+    assert trace["steps"] == 2 and len(trace["step_ms"]) == 2 and trace["kernel_ms_per_step"] == 0
+    assert set(trace["fsdp_host_ms_per_step"]) == {"FSDP::pre_forward"}
+
+    def frame(filename: str, name: str) -> dict:
+        return {"filename": filename, "line": 7, "name": name}
+
+    fsdp = [frame("/x/torch/distributed/fsdp/_fully_shard/_fsdp_param.py", "alloc_all_gather_outputs"),
+            frame("/x/trainer/loop.py", "train")]
+    ours = [frame("??", "c10::alloc"), frame("/x/trainer/sharding.py", "forward"), frame("/y/model.py", "forward")]
+    events = [{"action": "alloc", "addr": 1, "size": 3 * 2**30, "frames": fsdp},
+              {"action": "alloc", "addr": 2, "size": 2**30, "frames": ours},
+              {"action": "free_requested", "addr": 1, "size": 3 * 2**30, "frames": []},
+              {"action": "free_completed", "addr": 1, "size": 3 * 2**30, "frames": []},
+              {"action": "alloc", "addr": 3, "size": 2 * 2**30, "frames": [frame("/y/model.py", "forward")]},
+              {"action": "free_completed", "addr": 99, "size": 5 * 2**30, "frames": []}]  # allocated before
+    snapshot = {"segments": [{"blocks": [{"size": 2**30, "state": "active_allocated"},
+                                         {"size": 2**29, "state": "inactive"}]}], "device_traces": [events]}
+    (folder / "rank-0.memory.pickle").write_bytes(pickle.dumps(snapshot))
+    memory = memory_summary(folder / "rank-0.memory.pickle")
+    assert memory["peak_above_start_gib"] == 4.0 and memory["active_at_dump_gib"] == 1.0
+    assert memory["at_peak_by_site_gib"] == {
+        "torch/distributed/fsdp/_fully_shard/_fsdp_param.py:7 alloc_all_gather_outputs": 3.0,
+        "trainer/sharding.py:7 forward": 1.0}
+    assert "memory" in profile_summary(tmp_path)

@@ -1,8 +1,8 @@
 """The collectives of one FSDP training step, counted: ``torchrun --nproc-per-node 2 -m
 tests.workers.fsdp_collectives PRECISION`` wraps a small convolutional network with BatchNorm in every block
 (--sync fsdp's units: the blocks and the root), runs one forward and backward under that precision, and prints
-``units N all-gathers A reduce-scatters R batchnorm-compute DTYPES`` on rank 0: DTYPES are the input dtypes of
-every batch-norm kernel the step ran."""
+``units N all-gathers A reduce-scatters R unshards U batchnorm-compute DTYPES`` on rank 0: DTYPES are the input/weight
+dtypes of every batch-norm kernel the step ran (forward and backward)."""
 
 from __future__ import annotations
 
@@ -57,9 +57,14 @@ class NormInputs(TorchDispatchMode):
         self.dtypes: set[str] = set()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if "batch_norm" in func.__name__ and args and isinstance(args[0], torch.Tensor):
-            self.dtypes.add(str(args[0].dtype).removeprefix("torch."))
+        if "batch_norm" in func.__name__ and len(args) > 1 and isinstance(args[0], torch.Tensor):
+            weight = args[1] if isinstance(args[1], torch.Tensor) else None
+            self.dtypes.add(f"{_name(args[0])}/{_name(weight) if weight is not None else 'none'}")
         return func(*args, **(kwargs or {}))
+
+
+def _name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
 
 
 def counting(calls: Counter[str], name: str) -> None:
@@ -72,6 +77,21 @@ def counting(calls: Counter[str], name: str) -> None:
     setattr(dist, name, counted)
 
 
+def counting_unshards(calls: Counter[str]) -> None:
+    """Each unit's unshard that does work (its parameters were not gathered already): at one rank FSDP runs no
+    collective, and this is what a unit kept gathered from forward to backward saves."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    original = FSDPParamGroup.unshard
+
+    def counted(group: FSDPParamGroup, *args: Any, **kwargs: Any) -> Any:
+        if group._all_gather_result is None and not group.is_unsharded:
+            calls["unshard"] += 1
+        return original(group, *args, **kwargs)
+
+    FSDPParamGroup.unshard = counted  # type: ignore[method-assign]
+
+
 def main(precision: str) -> None:
     with process_group(DistConfig(), identity_from_env(os.environ), torch.device("cpu")) as runtime:
         torch.manual_seed(0)
@@ -81,14 +101,15 @@ def main(precision: str) -> None:
         for name in (*GATHERS, *SCATTERS):
             if hasattr(dist, name):
                 counting(calls, name)
+        counting_unshards(calls)
         norms = NormInputs()
         with norms, autocast_for(precision, runtime.device):
             outputs = model(torch.randn(4, 3, 8, 8))
         outputs.float().sum().backward()
         if runtime.is_main:
             gathers, scatters = sum(calls[name] for name in GATHERS), sum(calls[name] for name in SCATTERS)
-            print(f"units {len(sync.units) + 1} all-gathers {gathers} reduce-scatters {scatters} batchnorm-compute "
-                  f"{','.join(sorted(norms.dtypes))}", flush=True)
+            print(f"units {len(sync.units) + 1} all-gathers {gathers} reduce-scatters {scatters} unshards "
+                  f"{calls['unshard']} batchnorm-compute {','.join(sorted(norms.dtypes))}", flush=True)
 
 
 if __name__ == "__main__":

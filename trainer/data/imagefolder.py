@@ -9,11 +9,13 @@ ImageFolder numbers them. Images are decoded (with Pillow) when an item is fetch
 workers: RGB, the shorter side resized to --image-size, then a centre crop to a square, as uint8; the built-in
 task normalises it on the device, after the copy (trainer.data.dataset.Normalise). DATA_DIR may be an fsspec
 URL: one rank per node copies the tree into the local cache first, each file written under a
-temporary name and renamed, so no reader ever sees half a file.
+temporary name and renamed, so no reader ever sees half a file. With --image-decode device a worker only reads
+a JPEG file's bytes, and the batch is decoded on the device (trainer.data.device_decode).
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import posixpath
@@ -28,6 +30,7 @@ import torch
 from torch.utils.data import Dataset
 
 from trainer.data.dataset import DatasetInfo, Normalise
+from trainer.data.jpeg_bytes import JpegBytes, for_device
 from trainer.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -43,16 +46,22 @@ class ImageFolderDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     (with ``normalise_on_device``: the uint8 image, for ``normalise`` on the device after the copy)."""
 
     def __init__(self, files: Sequence[Path], labels: Sequence[int], image_size: int,
-                 normalise_on_device: bool = False) -> None:
+                 normalise_on_device: bool = False, decode_on_device: bool = False) -> None:
         self.files = [str(path) for path in files]
         self.labels = torch.as_tensor(list(labels), dtype=torch.int64)
         self.image_size = image_size
         self.normalise = Normalise(MEAN, STD)
-        self.normalise_on_device = normalise_on_device
+        self.normalise_on_device = normalise_on_device or decode_on_device
+        self.decode_on_device = decode_on_device
 
     def raw(self) -> ImageFolderDataset:
         """The same images as uint8, for ``normalise`` on the device after the copy."""
         return ImageFolderDataset(self.files, self.labels.tolist(), self.image_size, normalise_on_device=True)
+
+    def encoded(self) -> ImageFolderDataset:
+        """The same images with each JPEG left undecoded (trainer.data.jpeg_bytes.JpegBytes), for the device to
+        decode (--image-decode device); other files decoded here, as uint8."""
+        return ImageFolderDataset(self.files, self.labels.tolist(), self.image_size, decode_on_device=True)
 
     def __len__(self) -> int:
         return len(self.files)
@@ -60,8 +69,16 @@ class ImageFolderDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.image(index), self.labels[index]
 
-    def image(self, index: int) -> torch.Tensor:
-        pixels = decode_image(self.files[index], self.image_size, self.files[index])
+    def image(self, index: int) -> torch.Tensor | JpegBytes:
+        path = self.files[index]
+        if self.decode_on_device:
+            try:
+                data = Path(path).read_bytes()
+            except OSError as error:
+                raise DataError(f"{path}: not readable ({error.strerror or error}); replace or remove the file"
+                                ) from None
+            return for_device(data, path) or decode_image(io.BytesIO(data), self.image_size, path)
+        pixels = decode_image(path, self.image_size, path)
         return pixels if self.normalise_on_device else self.normalise(pixels)
 
 
@@ -76,8 +93,11 @@ def decode_image(source: str | IO[bytes], size: int, where: str, mode: str = "RG
             opened.draft(mode, (size, size))
             image = opened.convert(mode)
     except (OSError, UnidentifiedImageError, ValueError) as error:
-        raise DataError(f"{where}: not a readable image ({' '.join(str(error).split())[:200]}); replace or "
-                        f"remove the file") from None
+        # Pillow's own text names the file object, which for bytes read from a shard is "<_io.BytesIO object at
+        # 0x...>": where says where the bytes came from.
+        reason = ("no image format Pillow reads" if isinstance(error, UnidentifiedImageError)
+                  else " ".join(str(error).split())[:200])
+        raise DataError(f"{where}: not a readable image ({reason}); replace or remove the file") from None
     width, height = image.size
     if (width, height) != (size, size):
         scale = size / min(width, height)

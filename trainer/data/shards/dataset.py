@@ -31,6 +31,7 @@ from typing import Any
 
 from torch.utils.data import Dataset, get_worker_info
 
+from trainer.data.jpeg_bytes import with_origin
 from trainer.data.locate import DEFAULT_CACHE, cache_folder
 from trainer.data.shards.cache import PieceCache, claim_folder
 from trainer.data.shards.layout import INDEX_NAME, DatasetIndex, ShardEntry
@@ -175,7 +176,7 @@ class ShardedDataset(Dataset[Any]):
         index_in_shard = sample - self.starts[shard]
         key, members = cache.read_sample(piece, index_in_shard, f"pid{os.getpid()}")
         try:
-            return self.decode(members)
+            return with_origin(self.decode(members), f"{self.store.where(self.shards[shard].name)}: sample {key}")
         except DataError as error:
             raise DataError(f"{self.store.where(self.shards[shard].name)}: sample {key}: {error}") from None
         except Exception as error:  # noqa: BLE001 - a user's decode: one line that names the sample, not a traceback

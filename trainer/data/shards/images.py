@@ -11,6 +11,7 @@ import torch
 
 from trainer.data.dataset import DatasetInfo, Normalise
 from trainer.data.imagefolder import MEAN, STD, decode_image
+from trainer.data.jpeg_bytes import JpegBytes, for_device
 from trainer.data.shards.dataset import Members, ShardedDataset
 from trainer.errors import DataError
 
@@ -25,8 +26,10 @@ class ImageSample:
 
     image_size: int
     mode: str  # "RGB" or "L"
+    # --image-decode device: a JPEG member is left undecoded (trainer.data.jpeg_bytes), for the device to decode.
+    decode_on_device: bool = False
 
-    def __call__(self, members: Members) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, members: Members) -> tuple[torch.Tensor | JpegBytes, torch.Tensor]:
         extension = next((name for name in IMAGE_EXTENSIONS if name in members), None)
         if extension is None:
             raise DataError(f"no image member (it has {', '.join('.' + name for name in members) or 'none'}; "
@@ -37,7 +40,9 @@ class ImageSample:
             label = int(members["cls"].decode().strip())
         except (UnicodeDecodeError, ValueError):
             raise DataError(f"its .cls member is {members['cls'][:20]!r}, not a class index") from None
-        image = decode_image(io.BytesIO(members[extension]), self.image_size, f"its .{extension} member", self.mode)
+        where = f"its .{extension} member"
+        encoded = for_device(members[extension], where) if self.decode_on_device else None
+        image = encoded or decode_image(io.BytesIO(members[extension]), self.image_size, where, self.mode)
         return image, torch.tensor(label)
 
 
