@@ -166,6 +166,9 @@ def compute_norms_in_fp32(model: nn.Module, output_dtype: torch.dtype) -> int:
     classes: dict[type, type] = {}
     for norm in norms:
         kind = type(norm)
+        if isinstance(norm, _Fp32Compute):  # changed already (the model wrapped a second time): the type only
+            norm.fp32_output_dtype = output_dtype
+            continue
         if kind not in classes:
             classes[kind] = type(kind.__name__, (_Fp32Compute, kind), {"__module__": kind.__module__})
         norm.__class__ = classes[kind]

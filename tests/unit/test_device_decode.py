@@ -61,6 +61,8 @@ def test_a_batch_of_jpegs_of_several_shapes_decodes_together_to_the_workers_imag
     decoded = decode(batch)
     assert decoded.shape == (6, 3, SIZE, SIZE) and decoded.dtype == torch.float32
     assert torch.equal(decoded, decode(batch))  # the same bytes, the same pixels: what exact resume rests on
+    # Resized a few at a time (a batch of large photos) or all at once: the same pixels.
+    assert torch.equal(DeviceDecode(CPU, SIZE, False, NORMALISE, resize_bytes=1)(batch), decoded)
     std = torch.tensor(STD).view(3, 1, 1) * 255
     for number, data in enumerate(files):
         levels = ((decoded[number] - workers_image(data)).abs() * std).mean().item()  # in 0-255 grey levels
@@ -84,6 +86,29 @@ def test_a_png_and_a_cmyk_jpeg_among_jpegs_are_decoded_in_the_workers_and_keep_t
     decoded = data.on_device(batch)
     for index in odd:  # the workers' own pixels, where they decoded
         assert torch.equal(decoded[index], workers_image(Path(split.files[index]).read_bytes()))
+
+
+def test_a_batch_with_no_jpeg_for_the_device_is_the_workers_pixels():
+    """A folder of PNGs (or a batch of CMYK JPEGs alone) under --image-decode device: nothing for the device."""
+    files = [jpeg_bytes(24, 30, format="PNG", seed=1), jpeg_bytes(30, 24, "CMYK", seed=2)]
+    batch, _ = collate_for_device_decode([worker_item(data, f"f{n}") for n, data in enumerate(files)])
+    assert batch.jpegs() == [] and batch.decoded_at == [0, 1]
+    decoded = DeviceDecode(CPU, SIZE, False, NORMALISE)(batch)
+    for number, data in enumerate(files):
+        assert torch.equal(decoded[number], workers_image(data, "RGB"))
+
+
+def test_the_device_out_of_memory_is_raised_not_taken_for_a_refusal(monkeypatch, caplog):
+    """Memory is not the bytes' fault: Pillow would hide it, and an item's pixels would depend on its batch."""
+    batch, _ = collate_for_device_decode([worker_item(jpeg_bytes(30, 24), "a.jpg")])
+
+    def out_of_memory(self, jpegs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(DeviceDecode, "_decode", out_of_memory)
+    with caplog.at_level(logging.WARNING), pytest.raises(torch.OutOfMemoryError):
+        DeviceDecode(CPU, SIZE, False, NORMALISE)(batch)
+    assert "Pillow decoded instead" not in caplog.text
 
 
 def test_a_jpeg_the_device_refuses_is_decoded_by_pillow_with_a_warning_and_one_nothing_reads_is_one_line(caplog):

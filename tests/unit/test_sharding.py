@@ -11,7 +11,14 @@ from trainer.checkpoint.shards import MARK, ShardSource, fit
 from trainer.config import Config, ModelConfig, TrainConfig
 from trainer.errors import ConfigError, TaskError
 from trainer.gradsync import SyncOptions
-from trainer.sharding import FSDPSync, default_units, initialise_in_order, initialise_on_device, registration_order
+from trainer.sharding import (
+    FSDPSync,
+    compute_norms_in_fp32,
+    default_units,
+    initialise_in_order,
+    initialise_on_device,
+    registration_order,
+)
 
 
 class Block(nn.Module):
@@ -26,6 +33,28 @@ class Net(nn.Module):
         self.stem = nn.Linear(2, 2)
         self.blocks = nn.Sequential(Block(), nn.ReLU(), Block())
         self.head = nn.Linear(2, 1)
+
+
+def test_batchnorms_computing_in_fp32_share_one_class_per_kind_keep_a_users_forward_and_take_a_second_call():
+    """One class for all of a kind (compile guards forward by identity), a user's BatchNorm subclass still its own,
+    state dicts as before, and a model changed twice changed once (not a class built over its own subclass)."""
+
+    class Scaled(nn.BatchNorm2d):
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            return super().forward(input) * 2
+
+    model = nn.Sequential(nn.BatchNorm2d(3), nn.BatchNorm2d(3), Scaled(3), nn.BatchNorm1d(3))
+    keys = list(model.state_dict())
+    assert compute_norms_in_fp32(model, torch.bfloat16) == 4
+    kinds = [type(norm) for norm in model]
+    assert kinds[0] is kinds[1] and len(set(kinds)) == 3 and isinstance(model[2], Scaled)
+    assert list(model.state_dict()) == keys
+    image = torch.randn(2, 3, 4, 4, dtype=torch.bfloat16)
+    out = model[2](image)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, model[0](image) * 2)  # train mode: batch statistics, the same weights
+    assert compute_norms_in_fp32(model, torch.float16) == 4
+    assert [type(norm) for norm in model] == kinds and model[3].fp32_output_dtype == torch.float16
 
 
 def test_default_units_are_the_children_of_every_stack_that_hold_parameters():

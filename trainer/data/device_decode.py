@@ -49,6 +49,10 @@ class DeviceDecode:
     size: int
     grey: bool  # one channel (Pillow's "L"), else RGB
     normalise: Normalise
+    # At most this many bytes of images in float at once while resizing: a batch of 256 six-megapixel photos would
+    # want 18 GB in one go (the decoders take the full image; Pillow's draft mode, which the workers use, does not
+    # exist for them). A batch of small images of one shape is still one resize.
+    resize_bytes: int = 1 << 28
 
     def __call__(self, batch: DecodeBatch | Tensor) -> Tensor:
         if isinstance(batch, Tensor):  # pixels already (a batch that did not come through the workers' half)
@@ -68,6 +72,8 @@ class DeviceDecode:
             return []
         try:
             decoded = self._decode(jpegs)
+        except torch.OutOfMemoryError:
+            raise  # the device's memory, not the bytes: a smaller --batch-size is the fix, not Pillow
         except RuntimeError:  # torchvision's decoders raise RuntimeError for bytes they cannot decode
             return self._one_at_a_time(jpegs, wheres)
         return self._cropped(decoded)
@@ -82,11 +88,15 @@ class DeviceDecode:
         done, refused = [], []
         for jpeg, where in zip(jpegs, wheres, strict=True):
             try:
-                done.extend(self._cropped(self._decode([jpeg])))
+                decoded = self._decode([jpeg])
+            except torch.OutOfMemoryError:
+                raise
             except RuntimeError:
                 refused.append(where)
                 pixels = decode_image(io.BytesIO(jpeg.numpy().tobytes()), self.size, where, "L" if self.grey else "RGB")
                 done.append(pixels.to(self.device, non_blocking=True))
+            else:  # resized outside the try: only the decoder's refusal sends an image to Pillow
+                done.extend(self._cropped(decoded))
         if refused:
             more = f" and {len(refused) - 1} more" if len(refused) > 1 else ""
             log.warning("--image-decode device: the %s decoder refused %s%s, which Pillow decoded instead",
@@ -96,24 +106,33 @@ class DeviceDecode:
     def _cropped(self, images: list[Tensor]) -> list[Tensor]:
         """Each image's shorter side resized to ``size`` (bilinear, antialiased), then the centred square: the
         geometry of trainer.data.imagefolder.decode_image. Images of one shape are resized together (one kernel
-        launch for all of them, where a photo collection has a few common shapes)."""
+        launch for all of them, where a photo collection has a few common shapes), ``resize_bytes`` of them in
+        float at a time."""
         by_shape: dict[tuple[int, ...], list[int]] = {}
         for position, image in enumerate(images):
             by_shape.setdefault(tuple(image.shape), []).append(position)
         done: dict[int, Tensor] = {}
-        for (_, height, width), positions in by_shape.items():
-            done.update(zip(positions, self._square(torch.stack([images[p] for p in positions]), height, width),
-                            strict=True))
+        for (channels, height, width), positions in by_shape.items():
+            tall, wide = self._resized(height, width)
+            at_once = max(1, self.resize_bytes // (4 * channels * max(height * width, tall * wide)))
+            for first in range(0, len(positions), at_once):
+                group = positions[first:first + at_once]
+                done.update(zip(group, self._square(torch.stack([images[p] for p in group]), height, width),
+                                strict=True))
         return [done[position] for position in range(len(images))]
 
     def _square(self, images: Tensor, height: int, width: int) -> Tensor:
         size = self.size
         if (width, height) == (size, size):
             return images
-        scale = size / min(width, height)
-        resized = (max(size, round(height * scale)), max(size, round(width * scale)))
+        resized = self._resized(height, width)
         images = torch.nn.functional.interpolate(images.float(), size=resized, mode="bilinear", align_corners=False,
                                                  antialias=True)
         images = images.round_().clamp_(0, 255).to(torch.uint8)
         top, left = (resized[0] - size) // 2, (resized[1] - size) // 2
-        return images[:, :, top:top + size, left:left + size]
+        return images[:, :, top:top + size, left:left + size].contiguous()  # not a view holding the whole resize
+
+    def _resized(self, height: int, width: int) -> tuple[int, int]:
+        """The shape an image of ``height`` x ``width`` is resized to: its shorter side ``size``."""
+        scale = self.size / min(width, height)
+        return max(self.size, round(height * scale)), max(self.size, round(width * scale))
