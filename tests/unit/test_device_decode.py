@@ -102,10 +102,10 @@ def test_the_device_out_of_memory_is_raised_not_taken_for_a_refusal(monkeypatch,
     """Memory is not the bytes' fault: Pillow would hide it, and an item's pixels would depend on its batch."""
     batch, _ = collate_for_device_decode([worker_item(jpeg_bytes(30, 24), "a.jpg")])
 
-    def out_of_memory(self, jpegs):
+    def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(DeviceDecode, "_decode", out_of_memory)
+    monkeypatch.setattr("torchvision.io.decode_jpeg", out_of_memory)  # the decoder itself runs out
     with caplog.at_level(logging.WARNING), pytest.raises(torch.OutOfMemoryError):
         DeviceDecode(CPU, SIZE, False, NORMALISE)(batch)
     assert "Pillow decoded instead" not in caplog.text

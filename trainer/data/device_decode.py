@@ -70,33 +70,32 @@ class DeviceDecode:
         time, with Pillow for each it refuses."""
         if not jpegs:
             return []
-        try:
-            decoded = self._decode(jpegs)
-        except torch.OutOfMemoryError:
-            raise  # the device's memory, not the bytes: a smaller --batch-size is the fix, not Pillow
-        except RuntimeError:  # torchvision's decoders raise RuntimeError for bytes they cannot decode
-            return self._one_at_a_time(jpegs, wheres)
-        return self._cropped(decoded)
+        decoded = self._decode(jpegs)
+        return self._one_at_a_time(jpegs, wheres) if decoded is None else self._cropped(decoded)
 
-    def _decode(self, jpegs: list[Tensor]) -> list[Tensor]:
+    def _decode(self, jpegs: list[Tensor]) -> list[Tensor] | None:
+        """The JPEGs decoded at full size, or None where the decoder refuses them. Only the decoder's call is
+        guarded: memory is not the bytes' fault, so running out is raised, never sent to Pillow."""
         from torchvision.io import ImageReadMode, decode_jpeg
 
         mode = ImageReadMode.GRAY if self.grey else ImageReadMode.RGB
-        return decode_jpeg(jpegs, mode=mode, device=self.device)
+        try:
+            return decode_jpeg(jpegs, mode=mode, device=self.device)
+        except torch.OutOfMemoryError:
+            raise  # a smaller --batch-size is the fix, not Pillow
+        except RuntimeError:  # torchvision's decoders raise RuntimeError for bytes they cannot decode
+            return None
 
     def _one_at_a_time(self, jpegs: list[Tensor], wheres: list[str]) -> list[Tensor]:
         done, refused = [], []
         for jpeg, where in zip(jpegs, wheres, strict=True):
-            try:
-                decoded = self._decode([jpeg])
-            except torch.OutOfMemoryError:
-                raise
-            except RuntimeError:
-                refused.append(where)
-                pixels = decode_image(io.BytesIO(jpeg.numpy().tobytes()), self.size, where, "L" if self.grey else "RGB")
-                done.append(pixels.to(self.device, non_blocking=True))
-            else:  # resized outside the try: only the decoder's refusal sends an image to Pillow
+            decoded = self._decode([jpeg])
+            if decoded is not None:
                 done.extend(self._cropped(decoded))
+                continue
+            refused.append(where)
+            pixels = decode_image(io.BytesIO(jpeg.numpy().tobytes()), self.size, where, "L" if self.grey else "RGB")
+            done.append(pixels.to(self.device, non_blocking=True))
         if refused:
             more = f" and {len(refused) - 1} more" if len(refused) > 1 else ""
             log.warning("--image-decode device: the %s decoder refused %s%s, which Pillow decoded instead",

@@ -55,8 +55,7 @@ class DecodeBatch:
 
     def jpegs(self) -> list[Tensor]:
         """Each JPEG's bytes, a view into ``encoded``, as torchvision's decoders take them."""
-        starts = [0, *self.ends[:-1]] if self.ends else []  # a batch of PNGs (or CMYK JPEGs) alone has none
-        return [self.encoded[start:end] for start, end in zip(starts, self.ends, strict=True)]
+        return [self.encoded[start:end] for start, end in itertools.pairwise([0, *self.ends])]
 
 
 def device_decodable(data: bytes | bytearray | memoryview) -> bool:
